@@ -1,0 +1,72 @@
+"""JSON records of measured runs, written to `results/`.
+
+Every performance figure the README cites comes from one of these records. A record names the
+device, the software versions, the commit, the date and the exact command, next to the figures.
+"""
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit() -> str:
+  """The current commit hash, with '+dirty' when the tree has uncommitted changes."""
+  try:
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    return sha + ("+dirty" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def device_description() -> dict:
+  """Platform, device kind and count of the JAX backend (imports JAX)."""
+  import jax
+  devices = jax.devices()
+  return {
+      "platform": devices[0].platform,
+      "device_kind": devices[0].device_kind,
+      "device_count": len(devices),
+      "process_count": jax.process_count(),
+      "host_cpu_count": os.cpu_count(),
+      "jax_version": jax.__version__,
+      "python_version": platform.python_version(),
+  }
+
+
+def write_record(name: str, figures, *, out_dir: str | None = None, extra: dict | None = None,
+                 device: dict | None = None) -> str:
+  """Writes `results/<name>-<platform>-<date>.json` and returns its path.
+
+  Args:
+    name: what was measured, e.g. 'kernel_bench-flash_attention' or 'train-gpt_tiny'.
+    figures: the measured numbers (any JSON-serialisable value).
+    out_dir: folder for the record; defaults to `results/` at the repository root.
+    extra: further top-level fields (configuration, notes).
+    device: overrides `device_description()` (for records that need no JAX).
+  """
+  device = device if device is not None else device_description()
+  now = datetime.datetime.now(datetime.timezone.utc)
+  record = {
+      "name": name,
+      "device": device,
+      "commit": git_commit(),
+      "date": now.isoformat(timespec="seconds"),
+      "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+      "figures": figures,
+  }
+  record.update(extra or {})
+  out_dir = out_dir or os.path.join(REPO_ROOT, "results")
+  os.makedirs(out_dir, exist_ok=True)
+  stamp = now.strftime("%Y%m%dT%H%M%S")
+  path = os.path.join(out_dir, f"{name}-{device.get('platform', 'na')}-{stamp}.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=2, sort_keys=False, default=str)
+  os.replace(path + ".tmp", path)
+  return path

@@ -1,0 +1,260 @@
+"""Typed run configuration and its single `validate()`.
+
+Configs are written as ml_collections files in `experiments/configs/` (so absl can override any
+field on the command line) and turned into these frozen dataclasses by `Config.from_dict`.
+`validate()` checks everything that can be checked before compilation and raises `ConfigError`
+naming the field, the value and what would be valid.
+"""
+import dataclasses
+from typing import Any
+
+from mscale_jax.errors import ConfigError
+
+BLOCKS = ("parallel", "sequential")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rotary")
+ATTENTION_IMPLS = ("xla", "pallas", "cudnn")
+NORM_IMPLS = ("xla", "pallas")
+TP_COMMS = ("xla", "ppermute", "pallas")
+REMATS = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16")
+OPTIMIZERS = ("adamw", "lamb", "lamb_fused")
+DATA_KINDS = ("stdlib", "tokens", "synthetic")
+TOKEN_DTYPES = ("uint16", "uint32")
+MESH_AXES = ("data", "fsdp", "stage", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """GPT decoder shape and the implementation choices read by `model.py`."""
+  vocab_size: int = 256
+  num_layers: int = 2
+  hidden: int = 64
+  num_heads: int = 4
+  mlp_dim: int = 256
+  seq_len: int = 64
+  block: str = "parallel"            # parallel (PTB): x + attn(ln x) + mlp(ln x); or sequential
+  norm: str = "layernorm"
+  norm_impl: str = "xla"
+  mlp_activation: str = "gelu"
+  positions: str = "learned"
+  attention_window: int | None = None   # query i sees keys j with i - w < j <= i
+  attention_impl: str = "xla"
+  tp_comm: str = "xla"               # collective-matmul strategy in parallel/tensor.py
+  use_bias: bool = True
+  tie_embeddings: bool = False
+  scan_layers: bool = True
+  remat: str = "none"
+  dtype: str = "float32"             # compute dtype; parameters are always float32
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh axes. One axis may be -1: it takes the devices the others leave.
+
+  `shrink_to_fit` lets a small default job run on a machine with fewer devices (one GPU, say):
+  tensor, then data, then fsdp are halved until the mesh fits, and the change is logged.
+  """
+  data: int = -1
+  fsdp: int = 1
+  stage: int = 1
+  tensor: int = 1
+  shrink_to_fit: bool = False
+
+  def shape(self, num_devices: int) -> dict[str, int]:
+    """The concrete {axis: size} for `num_devices` devices (raises ConfigError if impossible)."""
+    sizes = {axis: getattr(self, axis) for axis in MESH_AXES}
+    if self.shrink_to_fit:
+      for axis in ("tensor", "data", "fsdp"):
+        while sizes[axis] > 1 and _fixed_product(sizes) > num_devices:
+          sizes[axis] //= 2
+      if _fixed_product(sizes) > num_devices:
+        sizes = {axis: (1 if size != -1 else -1) for axis, size in sizes.items()}
+    free = [axis for axis, size in sizes.items() if size == -1]
+    if len(free) > 1:
+      raise ConfigError(f"mesh.{free[1]}", -1, "at most one mesh axis may be -1")
+    for axis, size in sizes.items():
+      if size != -1 and size < 1:
+        raise ConfigError(f"mesh.{axis}", size, "a positive size, or -1 for 'the rest'")
+    fixed = _fixed_product(sizes)
+    if free:
+      if num_devices % fixed:
+        raise ConfigError(f"mesh.{free[0]}", -1,
+                          f"the other axes use {fixed} devices, which does not divide the "
+                          f"{num_devices} devices present")
+      sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+      raise ConfigError("mesh", {a: sizes[a] for a in MESH_AXES},
+                        f"the mesh has {fixed} devices but {num_devices} are present; make the "
+                        f"product of data*fsdp*stage*tensor equal {num_devices} or set one axis "
+                        f"to -1")
+    return sizes
+
+
+def _fixed_product(sizes: dict[str, int]) -> int:
+  product = 1
+  for size in sizes.values():
+    product *= max(size, 1)
+  return product
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """Optimizer, warmup + cosine schedule, clipping and weight decay (read by `optim.py`)."""
+  name: str = "lamb"
+  learning_rate: float = 3e-3
+  warmup_steps: int = 10
+  min_lr_ratio: float = 0.1          # cosine decays to learning_rate * min_lr_ratio
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-6
+  weight_decay: float = 0.01         # not applied to norms and biases
+  grad_clip: float | None = 1.0      # global-norm clipping; None disables
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where tokens come from (read by `data.py`)."""
+  kind: str = "stdlib"               # stdlib: this machine's Python standard library source
+  path: str | None = None            # token file for kind='tokens'; source folder for 'stdlib'
+  token_dtype: str = "uint16"
+  heldout_fraction: float = 0.02
+  seed: int = 0
+  prefetch: int = 2                  # batches prepared ahead of the step (background thread)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Loop length, batch, logging, evaluation and checkpoint cadence (read by `train.py`)."""
+  steps: int = 100
+  global_batch: int = 8              # sequences per step, over all devices
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 50
+  eval_batches: int = 2
+  checkpoint_every: int = 50
+  keep_checkpoints: int = 2
+  async_checkpoint: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A whole run."""
+  name: str = "run"
+  model: ModelConfig = ModelConfig()
+  mesh: MeshConfig = MeshConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+
+  @classmethod
+  def from_dict(cls, tree: dict[str, Any]) -> "Config":
+    """Builds a Config from nested dicts (e.g. `ConfigDict.to_dict()`); unknown keys raise."""
+    return _from_dict(cls, tree, prefix="")
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def replace(self, **sections) -> "Config":
+    """A copy with some sections replaced by dicts of field overrides, e.g. model={'block': ...}."""
+    out = self
+    for section, overrides in sections.items():
+      out = dataclasses.replace(out, **{section: dataclasses.replace(getattr(out, section),
+                                                                      **overrides)})
+    return out
+
+
+def _from_dict(cls, tree, prefix):
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  kwargs = {}
+  for key, value in tree.items():
+    if key not in fields:
+      raise ConfigError(f"{prefix}{key}", value,
+                        f"unknown field; valid fields of {prefix or 'config'}: "
+                        f"{', '.join(fields)}")
+    default = fields[key].default
+    if dataclasses.is_dataclass(default):
+      value = _from_dict(type(default), value, prefix=f"{prefix}{key}.")
+    kwargs[key] = value
+  return cls(**kwargs)
+
+
+def _choice(field: str, value, valid: tuple) -> None:
+  if value not in valid:
+    raise ConfigError(field, value, f"one of {', '.join(map(repr, valid))}")
+
+
+def _positive(field: str, value) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ConfigError(field, value, "a positive integer")
+
+
+def _divides(field: str, value: int, axis: str, size: int, what: str) -> None:
+  if value % size:
+    raise ConfigError(field, value, f"{what} must be divisible by mesh.{axis}={size}")
+
+
+def validate(config: Config, num_devices: int) -> dict[str, int]:
+  """Checks `config` for `num_devices` devices; returns the concrete mesh shape.
+
+  Raises:
+    ConfigError: naming the first field whose value cannot work, and what would be valid.
+  """
+  m, o, d, t = config.model, config.optimizer, config.data, config.train
+  for field in ("num_layers", "hidden", "num_heads", "mlp_dim", "seq_len", "vocab_size"):
+    _positive(f"model.{field}", getattr(m, field))
+  _choice("model.block", m.block, BLOCKS)
+  _choice("model.norm", m.norm, NORMS)
+  _choice("model.norm_impl", m.norm_impl, NORM_IMPLS)
+  _choice("model.mlp_activation", m.mlp_activation, ACTIVATIONS)
+  _choice("model.positions", m.positions, POSITIONS)
+  _choice("model.attention_impl", m.attention_impl, ATTENTION_IMPLS)
+  _choice("model.tp_comm", m.tp_comm, TP_COMMS)
+  _choice("model.remat", m.remat, REMATS)
+  _choice("model.dtype", m.dtype, DTYPES)
+  if m.hidden % m.num_heads:
+    raise ConfigError("model.hidden", m.hidden,
+                      f"must be divisible by model.num_heads={m.num_heads}")
+  if m.positions == "rotary" and m.head_dim % 2:
+    raise ConfigError("model.hidden", m.hidden, "rotary positions need an even head_dim")
+  if m.attention_window is not None:
+    if isinstance(m.attention_window, bool) or not isinstance(m.attention_window, int) \
+        or m.attention_window < 1:
+      raise ConfigError("model.attention_window", m.attention_window,
+                        "None (full causal attention) or an integer >= 1")
+  _choice("optimizer.name", o.name, OPTIMIZERS)
+  if not o.learning_rate > 0:
+    raise ConfigError("optimizer.learning_rate", o.learning_rate, "a positive number")
+  if o.warmup_steps < 0:
+    raise ConfigError("optimizer.warmup_steps", o.warmup_steps, "an integer >= 0")
+  if o.grad_clip is not None and not o.grad_clip > 0:
+    raise ConfigError("optimizer.grad_clip", o.grad_clip, "None or a positive number")
+  _choice("data.kind", d.kind, DATA_KINDS)
+  _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
+  if d.kind == "tokens" and not d.path:
+    raise ConfigError("data.path", d.path, "a token file is required when data.kind='tokens'")
+  if not 0.0 < d.heldout_fraction < 0.5:
+    raise ConfigError("data.heldout_fraction", d.heldout_fraction, "a fraction in (0, 0.5)")
+  for field in ("steps", "global_batch", "log_every", "eval_every", "eval_batches",
+                "checkpoint_every", "keep_checkpoints"):
+    _positive(f"train.{field}", getattr(t, field))
+
+  mesh = config.mesh.shape(num_devices)
+  if mesh["stage"] != 1:
+    raise ConfigError("mesh.stage", mesh["stage"], "1 (pipeline parallelism is not built yet)")
+  tp = mesh["tensor"]
+  _divides("model.num_heads", m.num_heads, "tensor", tp, "attention heads")
+  _divides("model.hidden", m.hidden, "tensor", tp, "the hidden size")
+  _divides("model.mlp_dim", m.mlp_dim, "tensor", tp, "the MLP size")
+  _divides("model.seq_len", m.seq_len, "tensor", tp,
+           "the sequence length (sequence parallelism shards it)")
+  batch_shards = mesh["data"] * mesh["fsdp"]
+  if t.global_batch % batch_shards:
+    raise ConfigError("train.global_batch", t.global_batch,
+                      f"must be divisible by mesh.data*mesh.fsdp={batch_shards}")
+  return mesh
