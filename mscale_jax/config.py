@@ -58,7 +58,7 @@ class MeshConfig:
   """Device mesh axes. One axis may be -1: it takes the devices the others leave.
 
   `shrink_to_fit` lets a small default job run on a machine with fewer devices (one GPU, say):
-  tensor, then data, then fsdp are halved until the mesh fits, and the change is logged.
+  tensor, then data, then fsdp are halved until the mesh fits (the trainer prints the mesh).
   """
   data: int = -1
   fsdp: int = 1
@@ -73,8 +73,6 @@ class MeshConfig:
       for axis in ("tensor", "data", "fsdp"):
         while sizes[axis] > 1 and _fixed_product(sizes) > num_devices:
           sizes[axis] //= 2
-      if _fixed_product(sizes) > num_devices:
-        sizes = {axis: (1 if size != -1 else -1) for axis, size in sizes.items()}
     free = [axis for axis, size in sizes.items() if size == -1]
     if len(free) > 1:
       raise ConfigError(f"mesh.{free[1]}", -1, "at most one mesh axis may be -1")
@@ -179,6 +177,8 @@ def _from_dict(cls, tree, prefix):
                         f"{', '.join(fields)}")
     default = fields[key].default
     if dataclasses.is_dataclass(default):
+      if not isinstance(value, dict):
+        raise ConfigError(f"{prefix}{key}", value, "a section of fields (a dict)")
       value = _from_dict(type(default), value, prefix=f"{prefix}{key}.")
     kwargs[key] = value
   return cls(**kwargs)
@@ -199,8 +199,11 @@ def _divides(field: str, value: int, axis: str, size: int, what: str) -> None:
     raise ConfigError(field, value, f"{what} must be divisible by mesh.{axis}={size}")
 
 
-def validate(config: Config, num_devices: int) -> dict[str, int]:
+def validate(config: Config, num_devices: int, *, allow_pipeline: bool = False
+             ) -> dict[str, int]:
   """Checks `config` for `num_devices` devices; returns the concrete mesh shape.
+
+  `allow_pipeline` admits mesh.stage > 1, for dry runs that only count memory per device.
 
   Raises:
     ConfigError: naming the first field whose value cannot work, and what would be valid.
@@ -238,18 +241,20 @@ def validate(config: Config, num_devices: int) -> dict[str, int]:
   _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
   if d.kind == "tokens" and not d.path:
     raise ConfigError("data.path", d.path, "a token file is required when data.kind='tokens'")
-  if not 0.0 < d.heldout_fraction < 0.5:
-    raise ConfigError("data.heldout_fraction", d.heldout_fraction, "a fraction in (0, 0.5)")
+  if not 0.0 < d.heldout_fraction < 1.0:
+    raise ConfigError("data.heldout_fraction", d.heldout_fraction, "a fraction in (0, 1)")
   for field in ("steps", "global_batch", "log_every", "eval_every", "eval_batches",
                 "checkpoint_every", "keep_checkpoints"):
     _positive(f"train.{field}", getattr(t, field))
 
   mesh = config.mesh.shape(num_devices)
-  if mesh["stage"] != 1:
+  if mesh["stage"] != 1 and not allow_pipeline:
     raise ConfigError("mesh.stage", mesh["stage"], "1 (pipeline parallelism is not built yet)")
   tp = mesh["tensor"]
   _divides("model.num_heads", m.num_heads, "tensor", tp, "attention heads")
-  _divides("model.hidden", m.hidden, "tensor", tp, "the hidden size")
+  _divides("model.vocab_size", m.vocab_size, "tensor", tp, "the vocabulary (embedding rows)")
+  _divides("model.hidden", m.hidden, "fsdp", mesh["fsdp"],
+           "the hidden size (parameters are sharded on it over fsdp)")
   _divides("model.mlp_dim", m.mlp_dim, "tensor", tp, "the MLP size")
   _divides("model.seq_len", m.seq_len, "tensor", tp,
            "the sequence length (sequence parallelism shards it)")

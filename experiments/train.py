@@ -1,0 +1,122 @@
+r"""The main job: train a GPT on a device mesh, or print what a config would need (--dry_run).
+
+  scripts/train.sh                                       # gpt_tiny, 8 CPU devices or the GPU
+  python -m experiments.train --config=experiments/configs/gpt_tiny.py \
+      --config.mesh.tensor=2 --config.model.block=sequential --config.train.steps=100
+  python -m experiments.train --config=experiments/configs/gpt_175b.py --dry_run
+
+Outputs go to --workdir (default runs/<config>-<UTC timestamp>): metrics.jsonl, TensorBoard
+events in tensorboard/, checkpoints/ and summary.json. A workdir that holds checkpoints is
+resumed. A bad configuration prints one line and exits with status 2 before anything compiles.
+"""
+import os
+
+# On a host without accelerators, simulate 8 devices so every mesh layout can run. The flag
+# only affects the CPU backend; it must be set before JAX initialises.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import datetime
+import json
+import logging
+import math
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from mscale_jax.errors import ConfigError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "experiments/configs/gpt_tiny.py", "ml_collections config file; override any "
+    "field with --config.<section>.<field>=value.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default runs/<config>-<time>); "
+                               "an existing one with checkpoints is resumed.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print parameter count, FLOPs per token and "
+                             "per-device memory from jax.eval_shape on the config's mesh; "
+                             "allocate nothing.")
+_RECORD = flags.DEFINE_bool("record", False, "Also write the run summary as a JSON record "
+                            "to results/ (for figures the README cites).")
+
+
+def _config():
+  from mscale_jax.config import Config
+  return Config.from_dict(_CONFIG.value.to_dict())
+
+
+def dry_run(config) -> dict:
+  """Parameter count, FLOPs per token and per-device bytes of params/grads/optimizer state."""
+  from mscale_jax import flops, mesh as mesh_lib
+  from mscale_jax.config import MESH_AXES, validate
+  from mscale_jax.train import abstract_model
+  import jax
+  requested = {axis: max(getattr(config.mesh, axis), 1) for axis in MESH_AXES}
+  mesh_shape = validate(config, math.prod(requested.values()), allow_pipeline=True)
+  _, params, names = abstract_model(config.model)
+  leaves = jax.tree.leaves(params)
+  name_leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+  local = sum(math.prod(mesh_lib.shard_shape(p.shape, n, mesh_shape))
+              for p, n in zip(leaves, name_leaves))
+  m = config.model
+  gib = 2.0 ** 30
+  report = {
+      "config": config.name,
+      "mesh": mesh_shape,
+      "devices": math.prod(mesh_shape.values()),
+      "num_params": sum(math.prod(p.shape) for p in leaves),
+      "flops_per_token": flops.megatron_flops_per_token(m.num_layers, m.hidden, m.seq_len,
+                                                        m.vocab_size),
+      "params_per_device": local,
+      "per_device_gib": {"params_fp32": 4 * local / gib, "grads_fp32": 4 * local / gib,
+                         "optimizer_fp32": 8 * local / gib, "total": 16 * local / gib},
+      "note": "parameters, gradients and two optimizer moments in float32, sharded as the mesh "
+              "rules say (layers over stage, heads/mlp/vocab over tensor, embed over fsdp); "
+              "activations depend on the micro-batch and pipeline schedule and are not "
+              "included (see mscale_jax.perf for them).",
+  }
+  return report
+
+
+def main(argv):
+  del argv
+  # Our own INFO lines (data, optimizer, attention choices) stay; libraries' INFO chatter goes.
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  logging.getLogger("mscale_jax").setLevel(logging.INFO)
+  try:
+    config = _config()
+    if _DRY_RUN.value:
+      print(json.dumps(dry_run(config), indent=2))
+      return
+    from mscale_jax.train import Trainer
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    workdir = _WORKDIR.value or os.path.join("runs", f"{config.name}-{stamp}")
+    trainer = Trainer(config, workdir)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  import jax
+  print(f"[train] {config.name}: {trainer.num_params:,} parameters on "
+        f"{len(trainer.devices)} x {trainer.devices[0].device_kind}, mesh "
+        f"{dict(trainer.mesh.shape)}; data: {trainer.corpus.description}; workdir {workdir}",
+        flush=True)
+  summary = trainer.train()
+  if jax.process_index() != 0:
+    return
+  print("[train] summary:")
+  for key in ("first_loss", "last_loss", "last_eval_loss", "mean_tokens_per_s", "mfu",
+              "peak_source", "compile_s", "metrics", "tensorboard", "checkpoints"):
+    value = summary[key]
+    if key == "mfu":
+      value = f"{100 * value:.2f}% (Megatron FLOPs/token {summary['flops_per_token']:.4g})"
+    print(f"  {key:18s} {value}")
+  if _RECORD.value:
+    from experiments import results
+    path = results.write_record(f"train-{config.name}", summary,
+                                extra={"config": config.to_dict()})
+    print(f"[train] wrote {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)

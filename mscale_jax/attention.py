@@ -1,0 +1,69 @@
+"""Causal attention with an optional sliding window, behind one `attention_impl` switch.
+
+`window=w` means query i attends keys j with i - w < j <= i (w=1: itself only; w >= seq: full
+causal attention). Implementations:
+  'xla'    masked softmax in plain jnp (float32 softmax); the reference everywhere;
+  'pallas' our flash-attention kernel (`pallas_kernels.flash_attention`), which skips key blocks
+           wholly outside the window; run per device on local heads;
+  'cudnn'  `jax.nn.dot_product_attention(implementation='cudnn')` with its local window (GPU).
+The choice is logged once; nothing falls back silently.
+"""
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from mscale_jax import mesh as mesh_lib
+
+log = logging.getLogger("mscale_jax")
+
+# q, k, v and the output: [batch, seq, heads, head_dim], heads sharded over 'tensor'.
+QKV_NAMES = ("batch", "seq", "heads", "head_dim")
+
+
+def causal_window_mask(seq_len: int, window: int | None) -> jax.Array:
+  """[seq, seq] boolean mask: True where query i may attend key j."""
+  i = jnp.arange(seq_len)[:, None]
+  j = jnp.arange(seq_len)[None, :]
+  mask = j <= i
+  if window is not None:
+    mask &= j > i - window
+  return mask
+
+
+def xla_attention(q, k, v, *, window: int | None = None) -> jax.Array:
+  """Reference causal attention: [b, s, h, d] -> [b, s, h, d], softmax in float32."""
+  scale = q.shape[-1] ** -0.5
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+  mask = causal_window_mask(q.shape[1], window)
+  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _pallas_attention(q, k, v, *, window):
+  from pallas_kernels.flash_attention import flash_attention
+  return flash_attention(q, k, v, causal=True, window=window)
+
+
+def _cudnn_attention(q, k, v, *, window):
+  local_window = None if window is None else (window - 1, 0)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                      local_window_size=local_window)
+
+
+@functools.cache
+def _log_choice(impl: str, window: int | None) -> None:
+  log.info("attention: impl=%s window=%s", impl, window)
+
+
+def attention(q, k, v, *, window: int | None, impl: str) -> jax.Array:
+  """Causal (sliding-window) attention with the chosen implementation; [b, s, h, d] in and out."""
+  _log_choice(impl, window)
+  if impl == "xla":
+    return xla_attention(q, k, v, window=window)
+  kernel = {"pallas": _pallas_attention, "cudnn": _cudnn_attention}[impl]
+  # Kernels are custom calls XLA cannot partition: run them on each device's heads and batch.
+  return mesh_lib.per_shard(functools.partial(kernel, window=window),
+                            in_names=(QKV_NAMES,) * 3, out_names=QKV_NAMES)(q, k, v)

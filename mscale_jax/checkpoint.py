@@ -1,0 +1,85 @@
+"""Checkpoints with orbax: asynchronous, atomic, kept K deep, restorable into another mesh.
+
+A checkpoint at step N holds three items:
+  state  the train state pytree {step, params, opt_state} (sharded arrays);
+  data   the data iterator's state (JSON), so a resumed run sees the same batches;
+  meta   the model config (JSON), so resuming a different model shape fails clearly.
+
+Saves run in a background thread (the device-to-host copy happens before `save` returns, so the
+next step may overwrite donated buffers). Orbax writes into a temporary directory and renames it
+when complete, so a run killed mid-save leaves the previous checkpoint as the latest; leftover
+temporary directories are removed on the next start.
+"""
+import dataclasses
+import logging
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from mscale_jax.config import ModelConfig
+from mscale_jax.errors import ConfigError
+
+log = logging.getLogger("mscale_jax")
+
+
+class Checkpointer:
+  """Saves and restores train state, data-iterator state and model config under `directory`."""
+
+  def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=async_save,
+                                           cleanup_tmp_directories=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_names=("state", "data", "meta"))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state, data_state: dict, model_config: ModelConfig) -> None:
+    """Starts saving step `step` (returns once the arrays are copied off the devices)."""
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=ocp.args.JsonSave(data_state),
+        meta=ocp.args.JsonSave({"model": dataclasses.asdict(model_config)})))
+
+  def check_compatible(self, step: int, model_config: ModelConfig) -> None:
+    """Raises ConfigError if checkpoint `step` was written by a model of another shape."""
+    saved = self._manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]["model"]
+    current = dataclasses.asdict(model_config)
+    shape_fields = ("vocab_size", "num_layers", "hidden", "num_heads", "mlp_dim", "seq_len",
+                    "mlp_activation", "norm", "positions", "use_bias", "tie_embeddings",
+                    "scan_layers", "block")
+    for field in shape_fields:
+      if saved.get(field) != current[field]:
+        raise ConfigError(f"model.{field}", current[field],
+                          f"the checkpoint in {self.directory} (step {step}) was written with "
+                          f"model.{field}={saved.get(field)!r}; use that value or a new "
+                          f"--workdir")
+
+  def restore(self, step: int, abstract_state):
+    """Restores (state, data_state) of `step`, laid out as `abstract_state`'s shardings say.
+
+    `abstract_state` is a pytree of `jax.ShapeDtypeStruct`s with shardings; they may describe a
+    different mesh from the one the checkpoint was saved on (orbax reshards on load).
+    """
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=ocp.args.JsonRestore()))
+    return restored["state"], restored["data"]
+
+  def wait(self) -> None:
+    """Blocks until every started save is on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+def abstract_like(tree, shardings):
+  """ShapeDtypeStructs of `tree`'s leaves with the given shardings (a restore target)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)

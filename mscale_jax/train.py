@@ -1,0 +1,291 @@
+"""The Trainer: sharded init or exact resume, the jit train step, evaluation, logging, checkpoints.
+
+The train state is a plain pytree `{'step', 'params', 'opt_state'}`: `params` is the model's
+`nnx.Param` state as a pure dict (merged back into the NNX model inside the step), and the
+optimizer state is sharded exactly like the parameters. Every logged step goes to the progress
+bar, to TensorBoard event files and to `WORKDIR/metrics.jsonl`.
+"""
+import dataclasses
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from mscale_jax import data as data_lib
+from mscale_jax import flops as flops_lib
+from mscale_jax import mesh as mesh_lib
+from mscale_jax import optim
+from mscale_jax.checkpoint import Checkpointer, abstract_like
+from mscale_jax.config import Config, ModelConfig, validate
+from mscale_jax.model import GPT, count_params
+
+log = logging.getLogger("mscale_jax")
+
+
+def abstract_model(config: ModelConfig):
+  """(graphdef, abstract params, logical names of params), allocating nothing."""
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(model, nnx.Param)
+  return graphdef, params.to_pure_dict(), mesh_lib.logical_names(params)
+
+
+def loss_fn(params, graphdef, batch) -> jax.Array:
+  """Mean next-token cross-entropy of `batch` {'inputs', 'targets': int32 [b, s]}."""
+  model = nnx.merge(graphdef, params)
+  logits = model(batch["inputs"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+  """The FLOP/s that MFU divides by, and where the number comes from."""
+  flops: float
+  source: str
+
+
+def peak_flops(config: Config, devices) -> Peak:
+  """Data-sheet peak of the accelerators, or this host's measured matmul rate on CPU."""
+  kind, dtype = devices[0].device_kind, config.model.dtype
+  if devices[0].platform == "cpu":
+    host = flops_lib.measure_cpu_peak(dtype)
+    return Peak(host, f"measured {dtype} matmul rate of this host ({host / 1e9:.1f} GFLOP/s), "
+                      f"shared by the {len(devices)} simulated CPU devices")
+  per_device = flops_lib.known_peak(kind, dtype)
+  if per_device is None:
+    raise ValueError(f"no peak FLOP/s known for device kind {kind!r} in {dtype}; add it to "
+                     f"mscale_jax.flops.PEAK_FLOPS")
+  return Peak(per_device * len(devices),
+              f"{len(devices)} x {kind} {dtype} dense peak ({per_device / 1e12:.0f} TFLOP/s each)")
+
+
+class Trainer:
+  """Trains `config` in `workdir`, resuming from the latest checkpoint there if any.
+
+  Everything that can be wrong with the configuration, the data or an existing checkpoint is
+  checked in the constructor, before anything compiles (ConfigError).
+  """
+
+  def __init__(self, config: Config, workdir: str, *, devices=None, show_progress=None):
+    self.config = config
+    self.workdir = os.path.abspath(workdir)
+    self.devices = list(devices if devices is not None else jax.devices())
+    self.show_progress = show_progress
+    self.mesh = mesh_lib.make_mesh(validate(config, len(self.devices)), self.devices)
+    self.corpus = data_lib.load_corpus(config.data, config.model.vocab_size)
+    t = config.train
+    self.tx = optim.make_optimizer(config.optimizer, t.steps)
+    self.schedule = optim.make_schedule(config.optimizer, t.steps)
+    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
+                                     keep=t.keep_checkpoints, async_save=t.async_checkpoint)
+    latest = self.checkpointer.latest_step()
+    if latest is not None:
+      self.checkpointer.check_compatible(latest, config.model)
+    self.graphdef, abstract_params, names = abstract_model(config.model)
+    self.num_params = count_params(abstract_params)
+    param_shardings = mesh_lib.shardings_for(self.mesh, names)
+    replicated = mesh_lib.named_sharding(self.mesh, ())
+    abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
+    self.state_shardings = {
+        "step": replicated,
+        "params": param_shardings,
+        "opt_state": optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt,
+                                           param_shardings,
+                                           transform_non_params=lambda _: replicated),
+    }
+    self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
+    m = config.model
+    self.flops_per_token = flops_lib.megatron_flops_per_token(m.num_layers, m.hidden,
+                                                               m.seq_len, m.vocab_size)
+    self.train_iter = data_lib.make_train_iterator(
+        self.corpus, seq_len=m.seq_len, global_batch=t.global_batch, seed=config.data.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        prefetch=config.data.prefetch)
+    self.eval_batches = data_lib.make_eval_batches(
+        self.corpus, seq_len=m.seq_len, batch_size=t.global_batch, num_batches=t.eval_batches,
+        process_index=jax.process_index(), process_count=jax.process_count())
+    self._train_step = jax.jit(self._step, donate_argnums=0,
+                               out_shardings=(self.state_shardings, None))
+    self._eval_loss = jax.jit(lambda params, batch: loss_fn(params, self.graphdef, batch))
+
+  # -- state ---------------------------------------------------------------------------------
+
+  def init_state(self):
+    """Fresh train state, created directly in its sharded layout."""
+    def init():
+      with nnx.use_eager_sharding(False):
+        model = GPT(self.config.model, rngs=nnx.Rngs(self.config.train.seed))
+      params = nnx.state(model, nnx.Param).to_pure_dict()
+      return {"step": jnp.zeros((), jnp.int32), "params": params,
+              "opt_state": self.tx.init(params)}
+    with jax.set_mesh(self.mesh):
+      return jax.jit(init, out_shardings=self.state_shardings)()
+
+  def restore_or_init(self):
+    """(state, start step): the latest checkpoint in the workdir, or a fresh state."""
+    step = self.checkpointer.latest_step()
+    if step is None:
+      return self.init_state(), 0
+    target = abstract_like(jax.eval_shape(self.init_state), self.state_shardings)
+    state, data_state = self.checkpointer.restore(step, target)
+    self.train_iter.set_state(data_state)
+    log.info("resumed from %s at step %d", self.checkpointer.directory, step)
+    return state, int(step)
+
+  # -- steps ---------------------------------------------------------------------------------
+
+  def _step(self, state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"], self.graphdef, batch)
+    updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+               "learning_rate": self.schedule(state["step"])}
+    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+  def device_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows -> global arrays sharded over (data, fsdp)."""
+    return {key: jax.make_array_from_process_local_data(self.batch_sharding, value)
+            for key, value in batch.items()}
+
+  def train_step(self, state, batch):
+    with jax.set_mesh(self.mesh):
+      return self._train_step(state, self.device_batch(batch))
+
+  def evaluate(self, params) -> float:
+    """Mean loss over the fixed held-out batches."""
+    with jax.set_mesh(self.mesh):
+      losses = [self._eval_loss(params, self.device_batch(b)) for b in self.eval_batches]
+    return float(np.mean([float(x) for x in losses]))
+
+  # -- loop ----------------------------------------------------------------------------------
+
+  def train(self) -> dict:
+    """Runs to `config.train.steps`; returns (and writes to summary.json) the run summary."""
+    cfg, t = self.config, self.config.train
+    is_main = jax.process_index() == 0
+    os.makedirs(self.workdir, exist_ok=True)
+    state, start = self.restore_or_init()
+    peak = peak_flops(cfg, self.devices)
+    tokens_per_step = t.global_batch * cfg.model.seq_len
+    writer = _MetricsWriter(self.workdir, enabled=is_main)
+    compile_start = time.perf_counter()
+    with jax.set_mesh(self.mesh):
+      first = self.device_batch(next(self.train_iter))
+      self._train_step = self._train_step.lower(state, first).compile()
+    compile_s = time.perf_counter() - compile_start
+    log.info("compiled the train step in %.1f s", compile_s)
+    history, intervals = [], []
+    bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+               disable=(None if is_main else True) if self.show_progress is None
+               else not self.show_progress)
+    pending, interval_start, interval_steps = first, time.perf_counter(), 0
+    for step in range(start, t.steps):
+      batch = pending if pending is not None else self.device_batch(next(self.train_iter))
+      pending = None
+      state, metrics = self._train_step(state, batch)
+      interval_steps += 1
+      done = step + 1
+      if done % t.log_every == 0 or done == t.steps:
+        metrics = jax.device_get(metrics)
+        elapsed = time.perf_counter() - interval_start
+        tokens_per_s = interval_steps * tokens_per_step / elapsed
+        record = {"step": done, "loss": float(metrics["loss"]),
+                  "grad_norm": float(metrics["grad_norm"]),
+                  "learning_rate": float(metrics["learning_rate"]),
+                  "step_time_s": elapsed / interval_steps, "tokens_per_s": tokens_per_s,
+                  "mfu": tokens_per_s * self.flops_per_token / peak.flops}
+        if done % t.eval_every == 0 or done == t.steps:
+          record["eval_loss"] = self.evaluate(state["params"])
+        history.append(record)
+        intervals.append(tokens_per_s)
+        writer.write(record)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                        mfu=f"{100 * record['mfu']:.2f}%")
+        if is_main:
+          bar.write(_format_record(record, t.steps))
+      if done % t.checkpoint_every == 0 or done == t.steps:
+        self.checkpointer.save(done, state, self.train_iter.get_state(), cfg.model)
+      if interval_steps == 0 or done % t.log_every == 0:
+        # Throughput counts train steps only: evaluation and checkpoint saves are excluded.
+        interval_start, interval_steps = time.perf_counter(), 0
+      bar.update(1)
+    bar.close()
+    self.checkpointer.wait()
+    writer.close()
+    self.train_iter.close()
+    summary = self._summary(history, intervals, peak, compile_s, start)
+    if is_main:
+      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    self.final_state = state
+    return summary
+
+  def _summary(self, history, intervals, peak: Peak, compile_s: float, start: int) -> dict:
+    # The first interval includes warm-up effects after compilation; average the rest.
+    steady = intervals[1:] or intervals
+    mean_tps = float(np.mean(steady)) if steady else 0.0
+    evals = [r["eval_loss"] for r in history if "eval_loss" in r]
+    return {
+        "config": self.config.name,
+        "devices": f"{len(self.devices)} x {self.devices[0].device_kind}",
+        "mesh": dict(self.mesh.shape),
+        "num_params": self.num_params,
+        "start_step": start,
+        "steps": self.config.train.steps,
+        "first_loss": history[0]["loss"] if history else None,
+        "last_loss": history[-1]["loss"] if history else None,
+        "last_eval_loss": evals[-1] if evals else None,
+        "mean_tokens_per_s": mean_tps,
+        "flops_per_token": self.flops_per_token,
+        "flops_formula": "Megatron-LM: 72 l h^2 (1 + s/(6h) + V/(16 l h)), no recomputation",
+        "mfu": mean_tps * self.flops_per_token / peak.flops,
+        "peak_flops": peak.flops,
+        "peak_source": peak.source,
+        "compile_s": compile_s,
+        "data": self.corpus.description,
+        "workdir": self.workdir,
+        "metrics": os.path.join(self.workdir, "metrics.jsonl"),
+        "tensorboard": os.path.join(self.workdir, "tensorboard"),
+        "checkpoints": self.checkpointer.directory,
+    }
+
+
+def _format_record(r: dict, total: int) -> str:
+  line = (f"step {r['step']:>6}/{total}  loss {r['loss']:.4f}  gnorm {r['grad_norm']:.3f}  "
+          f"lr {r['learning_rate']:.2e}  {1e3 * r['step_time_s']:.0f} ms/step  "
+          f"{r['tokens_per_s']:,.0f} tok/s  MFU {100 * r['mfu']:.2f}%")
+  if "eval_loss" in r:
+    line += f"  eval {r['eval_loss']:.4f}"
+  return line
+
+
+class _MetricsWriter:
+  """metrics.jsonl (one JSON object per logged step) and TensorBoard scalars."""
+
+  def __init__(self, workdir: str, enabled: bool):
+    self.enabled = enabled
+    if enabled:
+      from tensorboardX import SummaryWriter
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    for key, value in record.items():
+      if key != "step":
+        self._tb.add_scalar(key, value, record["step"])
+
+  def close(self) -> None:
+    if self.enabled:
+      self._jsonl.close()
+      self._tb.close()
