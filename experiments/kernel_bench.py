@@ -12,7 +12,7 @@ import sys
 
 from absl import app, flags
 
-KERNELS = ("collective_matmul", "flash_attention", "layer_norm", "lamb")
+KERNELS = ("collective_matmul", "flash_attention", "layer_norm", "lamb", "gemm")
 
 _KERNEL = flags.DEFINE_enum("kernel", "all", ("all",) + KERNELS, "Which kernel to benchmark.")
 _SIZE = flags.DEFINE_enum("size", "auto", ("auto", "tiny", "small", "full"),

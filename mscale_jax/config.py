@@ -246,6 +246,9 @@ def validate(config: Config, num_devices: int, *, allow_pipeline: bool = False
   for field in ("steps", "global_batch", "log_every", "eval_every", "eval_batches",
                 "checkpoint_every", "keep_checkpoints"):
     _positive(f"train.{field}", getattr(t, field))
+  if t.steps <= o.warmup_steps:
+    raise ConfigError("train.steps", t.steps,
+                      f"must exceed optimizer.warmup_steps={o.warmup_steps}")
 
   mesh = config.mesh.shape(num_devices)
   if mesh["stage"] != 1 and not allow_pipeline:

@@ -117,23 +117,25 @@ class Trainer:
 
   # -- state ---------------------------------------------------------------------------------
 
+  def _fresh_state(self):
+    with nnx.use_eager_sharding(False):
+      model = GPT(self.config.model, rngs=nnx.Rngs(self.config.train.seed))
+    params = nnx.state(model, nnx.Param).to_pure_dict()
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "opt_state": self.tx.init(params)}
+
   def init_state(self):
     """Fresh train state, created directly in its sharded layout."""
-    def init():
-      with nnx.use_eager_sharding(False):
-        model = GPT(self.config.model, rngs=nnx.Rngs(self.config.train.seed))
-      params = nnx.state(model, nnx.Param).to_pure_dict()
-      return {"step": jnp.zeros((), jnp.int32), "params": params,
-              "opt_state": self.tx.init(params)}
     with jax.set_mesh(self.mesh):
-      return jax.jit(init, out_shardings=self.state_shardings)()
+      return jax.jit(self._fresh_state, out_shardings=self.state_shardings)()
 
   def restore_or_init(self):
     """(state, start step): the latest checkpoint in the workdir, or a fresh state."""
     step = self.checkpointer.latest_step()
     if step is None:
       return self.init_state(), 0
-    target = abstract_like(jax.eval_shape(self.init_state), self.state_shardings)
+    with jax.set_mesh(self.mesh):
+      target = abstract_like(jax.eval_shape(self._fresh_state), self.state_shardings)
     state, data_state = self.checkpointer.restore(step, target)
     self.train_iter.set_state(data_state)
     log.info("resumed from %s at step %d", self.checkpointer.directory, step)
@@ -166,8 +168,11 @@ class Trainer:
 
   # -- loop ----------------------------------------------------------------------------------
 
-  def train(self) -> dict:
-    """Runs to `config.train.steps`; returns (and writes to summary.json) the run summary."""
+  def train(self, stop_at: int | None = None) -> dict:
+    """Runs to `config.train.steps` (or stops after step `stop_at`, as a preempted run would).
+
+    Returns the run summary, also written to WORKDIR/summary.json.
+    """
     cfg, t = self.config, self.config.train
     is_main = jax.process_index() == 0
     os.makedirs(self.workdir, exist_ok=True)
@@ -186,13 +191,14 @@ class Trainer:
                disable=(None if is_main else True) if self.show_progress is None
                else not self.show_progress)
     pending, interval_start, interval_steps = first, time.perf_counter(), 0
-    for step in range(start, t.steps):
+    end = t.steps if stop_at is None else min(stop_at, t.steps)
+    for step in range(start, end):
       batch = pending if pending is not None else self.device_batch(next(self.train_iter))
       pending = None
       state, metrics = self._train_step(state, batch)
       interval_steps += 1
       done = step + 1
-      if done % t.log_every == 0 or done == t.steps:
+      if done % t.log_every == 0 or done == end:
         metrics = jax.device_get(metrics)
         elapsed = time.perf_counter() - interval_start
         tokens_per_s = interval_steps * tokens_per_step / elapsed
@@ -210,7 +216,7 @@ class Trainer:
                         mfu=f"{100 * record['mfu']:.2f}%")
         if is_main:
           bar.write(_format_record(record, t.steps))
-      if done % t.checkpoint_every == 0 or done == t.steps:
+      if done % t.checkpoint_every == 0 or done == end:
         self.checkpointer.save(done, state, self.train_iter.get_state(), cfg.model)
       if interval_steps == 0 or done % t.log_every == 0:
         # Throughput counts train steps only: evaluation and checkpoint saves are excluded.

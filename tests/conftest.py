@@ -19,7 +19,7 @@ def tiny_config():
                    attention_window=8),
         mesh=dict(data=2, tensor=4),
         optimizer=dict(warmup_steps=2),
-        data=dict(kind="synthetic", prefetch=0),
+        data=dict(kind="stdlib", prefetch=0),
         train=dict(steps=6, global_batch=4, log_every=2, eval_every=6, eval_batches=1,
                    checkpoint_every=3, async_checkpoint=True))
     return base.replace(**sections)

@@ -217,3 +217,24 @@ def test_command_line_cannot_say_none_but_has_equivalents():
 def test_command_line_rejects_unknown_field():
   with pytest.raises(AttributeError, match='Did you mean "hidden"'):
     _parse("--config.model.hiden=3")
+
+
+def test_vocab_not_divisible_by_tensor():
+  config = Config().replace(mesh={"data": 2, "tensor": 4}, model={"vocab_size": 250})
+  _raises(config, 8, "model.vocab_size", 250, "vocabulary", "mesh.tensor=4")
+
+
+def test_hidden_not_divisible_by_fsdp():
+  config = Config().replace(mesh={"data": 1, "fsdp": 8},
+                            model={"hidden": 68, "num_heads": 4})
+  _raises(config, 8, "model.hidden", 68, "mesh.fsdp=8")
+
+
+def test_steps_must_exceed_warmup():
+  config = Config().replace(train={"steps": 5}, optimizer={"warmup_steps": 5})
+  _raises(config, 8, "train.steps", 5, "optimizer.warmup_steps=5")
+
+
+def test_from_dict_rejects_a_section_that_is_not_a_dict():
+  with pytest.raises(ConfigError, match="model=3"):
+    Config.from_dict({"model": 3})

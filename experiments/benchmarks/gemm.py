@@ -1,0 +1,46 @@
+"""Achieved matmul TFLOP/s over a table of GEMM shapes: what the performance model calibrates on.
+
+Shapes ('full') are the 175B model's per-GPU GEMMs under TP=8 (QKV, attention-out, FFN-in/out,
+the parallel block's merged GEMMs) at 2,048 and 8,192 tokens, the 1,024-row chunks a TP=8
+collective matmul runs, and squares. `python -m experiments.scaling_curves --calibrate=<record>`
+fits mscale_jax.perf's GEMM efficiency curve to these rows.
+"""
+import jax
+import jax.numpy as jnp
+
+from experiments.timing import time_fn
+from mscale_jax.flops import known_peak
+
+H, FFN, TP = 12288, 4 * 12288, 8
+SHAPES = {
+    "tiny": [(64, 64, 64), (128, 64, 256)],
+    "small": [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (512, 2048, 1024)],
+    "full": [(2048, H, 3 * H // TP), (8192, H, 3 * H // TP), (8192, H // TP, H),
+             (8192, H, FFN // TP), (8192, FFN // TP, H), (8192, H, (3 * H + FFN) // TP),
+             (8192, (H + FFN) // TP, H), (1024, H, (3 * H + FFN) // TP),
+             (1024, (H + FFN) // TP, H), (4096, 4096, 4096), (8192, 8192, 8192)],
+}
+
+
+def run(size: str, warmup: int, repeats: int) -> dict:
+  """Times `a @ b` for each shape; rows with m, k, n, dtype, seconds, TFLOP/s and efficiency."""
+  device = jax.devices()[0]
+  dtype = "float32" if device.platform == "cpu" else "bfloat16"
+  peak = known_peak(device.device_kind, dtype)
+  matmul = jax.jit(lambda a, b: a @ b)
+  rows = []
+  for m, k, n in SHAPES[size]:
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (m, k), jnp.dtype(dtype))
+    b = jax.random.normal(kb, (k, n), jnp.dtype(dtype))
+    seconds = time_fn(matmul, a, b, warmup=warmup, repeats=repeats)["median_s"]
+    tflops = 2.0 * m * k * n / seconds / 1e12
+    rows.append({"m": m, "k": k, "n": n, "dtype": dtype, "median_s": seconds,
+                 "tflops": tflops, "peak_tflops": peak / 1e12 if peak else None,
+                 "efficiency": tflops / (peak / 1e12) if peak else None})
+  notes = [f"{dtype} on {device.device_kind}; calibrate the performance model with "
+           "python -m experiments.scaling_curves --calibrate=<this record>"]
+  if peak is None:
+    notes.append("no data-sheet peak for this device: efficiency is empty and the record "
+                 "cannot calibrate the model")
+  return {"rows": rows, "notes": notes}

@@ -1,0 +1,123 @@
+r"""Searches TP, PP, virtual stages, DP, micro-batch, global batch and technique switches.
+
+  python -m experiments.plan --model=175B --gpus=256,1024,12288
+  python -m experiments.plan --model=530B --gpus=2240 --global_batch=2240 --hardware=h100_dgx
+
+For each GPU count prints the configurations with the highest predicted MFU that fit in memory,
+with their breakdowns, then the paper's layout (Table 1) and why the best one beats it (the
+breakdown terms that differ most). Predictions come from mscale_jax.perf with one set of
+constants (or a calibrated copy, --calibrate).
+"""
+import sys
+
+from absl import app, flags
+
+from mscale_jax.errors import ConfigError
+from mscale_jax.perf import calibrate, constants, hardware, paper, search
+from mscale_jax.perf.iteration import BREAKDOWN_KEYS, predict
+from mscale_jax.perf.workload import MODELS, Layout
+
+
+def describe(pred) -> str:
+  """One line: layout, switches that are off, MFU, iteration, memory."""
+  lay, tech = pred.layout, pred.techniques
+  off = [name for name in search.SWITCHES if not getattr(tech, name)]
+  switches = "all MegaScale switches" if not off else (
+      "Megatron-LM baseline" if len(off) == len(search.SWITCHES) else f"all but {','.join(off)}")
+  return (f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} dp={lay.dp} mb={lay.micro_batch} "
+          f"batch={lay.global_batch} | {switches} | MFU {100 * pred.mfu:.1f}% | "
+          f"iter {pred.iteration_s:.2f}s | {pred.memory.total / 2**30:.1f} GiB, "
+          f"recompute={pred.recompute}")
+
+
+def breakdown(pred) -> str:
+  """The iteration's breakdown in seconds, indented under its configuration."""
+  return "    " + "  ".join(f"{k}={pred.breakdown[k]:.2f}" for k in BREAKDOWN_KEYS)
+
+
+def why(best, ref) -> str:
+  """The breakdown terms where `best` saves the most against `ref`, per `ref`'s batch."""
+  scale = ref.layout.global_batch / best.layout.global_batch
+  deltas = sorted(((ref.breakdown[k] - scale * best.breakdown[k], k) for k in BREAKDOWN_KEYS),
+                  reverse=True)
+  parts = [f"{k} {d:+.2f}s" for d, k in deltas if abs(d) >= 0.01][:4]
+  return "saves " + ", ".join(parts) if parts else "no term differs by more than 10 ms"
+
+
+def plan(model_name: str, gpus: int, hw_name: str, batch: int, scale: int, top: int,
+         c) -> list:
+  """Prints and returns the top configurations for one GPU count."""
+  if model_name not in MODELS:
+    raise ConfigError("model", model_name, f"one of {sorted(MODELS)}")
+  model, hw = MODELS[model_name], hardware.get_hardware(hw_name)
+  batch = batch or (768 if gpus <= 1024 else 6144)
+  best = search.search(model, gpus, hw, batch, paper.MEGASCALE, c, max_batch_scale=scale,
+                       top=top)
+  print(f"\n== {model.name} on {gpus} x {hw.name}, global batch {batch} ==")
+  for i, pred in enumerate(best):
+    print(f"{i + 1}. {describe(pred)}")
+    print(breakdown(pred))
+  tp, pp, vpp = paper.PARALLELISM[model.name]
+  if gpus % (tp * pp):
+    print(f"paper layout tp={tp} pp={pp} does not divide {gpus} GPUs")
+    return best
+  ref_layouts = [Layout(tp, pp, vpp, gpus // (tp * pp), mb, batch)
+                 for mb in paper.MICRO_BATCHES]
+  refs = []
+  for lay in ref_layouts:
+    try:
+      pred = predict(model, lay, paper.MEGASCALE, hw, c)
+    except ConfigError:
+      continue
+    if pred.fits:
+      refs.append(pred)
+  if not refs:
+    print(f"paper layout tp={tp} pp={pp} vpp={vpp}: no micro-batch gives a valid layout that "
+          f"fits here")
+    return best
+  ref = max(refs, key=lambda p: p.mfu)
+  print(f"paper layout: {describe(ref)}")
+  print(breakdown(ref))
+  gain = 100 * (best[0].mfu - ref.mfu)
+  if best[0].layout == ref.layout and best[0].techniques == ref.techniques:
+    print("the search finds the paper's layout")
+  else:
+    print(f"best beats it by {gain:.1f} MFU points: per iteration of {batch} sequences it "
+          f"{why(best[0], ref)}")
+  return best
+
+
+def define_flags() -> None:
+  """Defines the CLI flags (only when run as a script, so importing defines none)."""
+  flags.DEFINE_string("model", "175B", "Model preset: 175B or 530B.")
+  flags.DEFINE_list("gpus", ["256", "1024", "12288"], "Accelerator counts to plan for.")
+  flags.DEFINE_string("hardware", "a100_megascale", "Hardware preset.")
+  flags.DEFINE_integer("global_batch", 0, "Global batch in sequences; 0 takes the paper's: "
+                       "768 up to 1,024 GPUs, 6,144 above.")
+  flags.DEFINE_integer("max_batch_scale", 1, "Also try the batch times 2..N (with LAMB on).")
+  flags.DEFINE_integer("top", 5, "How many configurations to print.")
+  flags.DEFINE_string("calibrate", None, "kernel_bench-gemm record to calibrate on.")
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  try:
+    c, note = constants.DEFAULT, "default constants"
+    if f.calibrate:
+      c, note = calibrate.calibrated(c, f.calibrate)
+    print(f"[plan] {note}")
+    for value in f.gpus:
+      try:
+        gpus = int(value)
+      except ValueError as e:
+        raise ConfigError("gpus", value, "a comma-separated list of integers") from e
+      plan(f.model, gpus, f.hardware, f.global_batch, f.max_batch_scale, f.top, c)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,21 @@
+"""Pure-Python performance model of 3D-parallel GPT training (no JAX import).
+
+  from mscale_jax.perf import predict, GPT_175B, Layout, Techniques, A100_MEGASCALE
+  p = predict(GPT_175B, Layout(tp=8, pp=8, vpp=6, dp=4, micro_batch=4, global_batch=768),
+              Techniques(parallel_block=True, tp_overlap=True), A100_MEGASCALE)
+  p.mfu, p.iteration_s, p.breakdown, p.memory.fits
+
+Modules: hardware (presets), workload (model, layout, switches, validation), constants (the one
+efficiency set), compute / comm / layer / memory (cost terms), iteration (one step), paper
+(the paper's rows), search (layout planner), calibrate (measured GEMM efficiency).
+"""
+from mscale_jax.perf.constants import DEFAULT, Constants
+from mscale_jax.perf.hardware import (A100_MEGASCALE, H100_DGX, H800_DGX, TPU_V5P, Hardware,
+                                      get_hardware)
+from mscale_jax.perf.iteration import Prediction, predict
+from mscale_jax.perf.workload import (GPT_175B, GPT_530B, Layout, ModelSpec, Techniques,
+                                      layout_for, validate)
+
+__all__ = ["DEFAULT", "Constants", "A100_MEGASCALE", "H100_DGX", "H800_DGX", "TPU_V5P",
+           "Hardware", "get_hardware", "Prediction", "predict", "GPT_175B", "GPT_530B", "Layout",
+           "ModelSpec", "Techniques", "layout_for", "validate"]

@@ -1,0 +1,59 @@
+"""Replaces modelled GEMM efficiency with measured efficiency from a benchmark record.
+
+A record is what `python -m experiments.kernel_bench --kernel=gemm` writes: `figures` holds
+rows with m, k, n, dtype and achieved tflops (and peak_tflops when the device's peak is known),
+`device` names the accelerator. The efficiency curve 1/eff = (1 + edge*(1/m+1/k+1/n)) / eff_max
+is linear in S = 1/m+1/k+1/n, so a least-squares line through (S, 1/eff) gives eff_max and edge.
+"""
+import dataclasses
+import json
+
+from mscale_jax.errors import ConfigError
+from mscale_jax.flops import known_peak
+from mscale_jax.perf.constants import Constants
+
+
+def load_gemm_rows(path: str) -> tuple:
+  """(rows with an efficiency, device description) from a kernel_bench-gemm record."""
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError("calibrate", path, f"a readable JSON results record ({e})") from e
+  device = record.get("device", {})
+  rows = []
+  for row in record.get("figures", []):
+    if not all(key in row for key in ("m", "k", "n", "tflops")):
+      continue
+    peak = row.get("peak_tflops") or (known_peak(device.get("device_kind", ""),
+                                                 row.get("dtype", "bfloat16")) or 0) / 1e12
+    if peak:
+      rows.append({**row, "efficiency": row["tflops"] / peak})
+  if len(rows) < 2:
+    raise ConfigError("calibrate", path,
+                      "a gemm record with at least two rows (m, k, n, tflops) on a device "
+                      "whose peak is known")
+  return rows, device
+
+
+def fit_gemm_curve(rows: list) -> tuple:
+  """(eff_max, edge) of the least-squares line 1/eff = a + b*S over measured rows."""
+  xs = [1.0 / r["m"] + 1.0 / r["k"] + 1.0 / r["n"] for r in rows]
+  ys = [1.0 / r["efficiency"] for r in rows]
+  n = len(xs)
+  mx, my = sum(xs) / n, sum(ys) / n
+  sxx = sum((x - mx) ** 2 for x in xs)
+  b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+  b = max(b, 0.0)                      # larger GEMMs are never modelled as slower
+  a = my - b * mx if b > 0 else my
+  return 1.0 / a, b / a
+
+
+def calibrated(c: Constants, path: str) -> tuple:
+  """(constants with the measured GEMM curve, a note naming what changed and from where)."""
+  rows, device = load_gemm_rows(path)
+  eff_max, edge = fit_gemm_curve(rows)
+  new = dataclasses.replace(c, gemm_eff_max=eff_max, gemm_edge=edge)
+  note = (f"GEMM curve from {len(rows)} rows measured on {device.get('device_kind', '?')}: "
+          f"eff_max {c.gemm_eff_max:.3f} -> {eff_max:.3f}, edge {c.gemm_edge:.1f} -> {edge:.1f}")
+  return new, note

@@ -1,0 +1,157 @@
+"""One iteration of 3D-parallel training: interleaved 1F1B pipeline, ZeRO-2 data parallelism.
+
+The pipeline runs in lock-step at the pace of its slowest stage (the last one, which also holds
+the LM head): `m` micro-batches of steady state plus the interleaved bubble of (pp-1)/vpp
+micro-batch times. Around it: the exposed part of the data-parallel collectives, the optimizer
+update and host work (data loading) on the critical path.
+"""
+import dataclasses
+
+from mscale_jax.errors import ConfigError
+from mscale_jax.flops import megatron_flops_per_token, mfu
+from mscale_jax.perf import comm, compute, layer
+from mscale_jax.perf.constants import DEFAULT, Constants
+from mscale_jax.perf.hardware import Hardware
+from mscale_jax.perf.memory import RECOMPUTES, Memory, memory_per_device, params_per_device
+from mscale_jax.perf.workload import Layout, ModelSpec, Techniques, validate
+
+BREAKDOWN_KEYS = ("compute", "memory_bound", "tp_exposed", "pp_exposed", "bubble",
+                  "dp_exposed", "optimizer", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """Predicted iteration: time and where it goes, throughput, MFU and memory."""
+  model: ModelSpec
+  layout: Layout
+  techniques: Techniques
+  recompute: str
+  iteration_s: float
+  breakdown: dict          # BREAKDOWN_KEYS -> seconds; sums to iteration_s
+  tokens_per_s: float
+  mfu: float               # fraction of peak, Megatron FLOPs formula (see mscale_jax.flops)
+  memory: Memory
+
+  @property
+  def fits(self) -> bool:
+    """Whether the layout fits in device memory."""
+    return self.memory.fits
+
+
+def p2p_time(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants) -> float:
+  """One stage-to-stage transfer: each TP rank sends its sequence shard of the activations."""
+  if layout.pp == 1:
+    return 0.0
+  num_bytes = layout.micro_batch * model.seq_len * model.hidden * 2.0 / layout.tp
+  link = comm.group_link(hw, 2, layout.tp * layout.dp, c)
+  if link.tier == "node":
+    return comm.send_recv_time(num_bytes, link)
+  return comm.send_recv_time(num_bytes, comm.Link(hw.net_bw_per_device * c.p2p_eff,
+                                                  c.p2p_latency_s, link.tier))
+
+
+def dp_times(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants) -> tuple:
+  """(reduce-scatter of gradients, all-gather of parameters) seconds for one device's stage."""
+  n = params_per_device(model, layout)
+  link = comm.group_link(hw, layout.dp, layout.tp, c)
+  return (comm.reduce_scatter_time(n * c.grad_reduce_bytes, layout.dp, link),
+          comm.all_gather_time(n * c.param_bytes, layout.dp, link))
+
+
+def embedding_sync_time(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants) -> float:
+  """All-reduce of the tied embedding's gradients between the first and last stage.
+
+  Both stages hold the (vocab x hidden / tp) matrix; after the pipeline drains they sum their
+  fp32 gradients, on the critical path in Megatron-LM and MegaScale alike.
+  """
+  if layout.pp == 1:
+    return 0.0
+  num_bytes = model.vocab * model.hidden / layout.tp * c.grad_bytes
+  stride = (layout.pp - 1) * layout.tp * layout.dp
+  return comm.all_reduce_time(num_bytes, 2, comm.group_link(hw, 2, stride, c))
+
+
+def dp_exposure(rs: float, ag: float, chunks: int, overlap: bool, window: float,
+                prefetch_window: float, share: float) -> float:
+  """Exposed data-parallel seconds.
+
+  Without overlap the reduce-scatter and all-gather run after the pipeline drains. With it,
+  each model chunk's collective runs behind the other chunks' compute: only the last chunk's
+  reduce-scatter is exposed, and the first chunk's all-gather beyond what host work at the
+  start of the step (`prefetch_window`) hides. Hidden traffic slows compute by the `share` of
+  SMs it takes;
+  traffic that does not fit in the compute `window` is exposed.
+  """
+  if not overlap or rs + ag == 0.0:
+    return rs + ag
+  exposed = rs / chunks + max(0.0, ag / chunks - prefetch_window)
+  hidden = (rs + ag) * (1.0 - 1.0 / chunks)
+  return exposed + max(0.0, hidden - window) + share * min(hidden, window)
+
+
+def _predict_with(model, layout, tech, recompute, hw, c, dtype, memory):
+  m, p, v = layout.num_micro_batches, layout.pp, layout.vpp
+  per_layer = layer.layer_cost(model, layout, tech, recompute, hw, c, dtype)
+  stage = per_layer.scale(model.num_layers / p)
+  last = stage + layer.head_cost(model, layout, tech, hw, c, dtype)
+  slowest = last if last.total >= stage.total else stage
+
+  hop = p2p_time(model, layout, hw, c)
+  # Blocking send/recv: each of the 2*vpp transfers per micro-batch (a forward send after each
+  # model chunk, a backward send after each chunk's gradient) stalls its stage. Decoupled,
+  # asynchronous transfers hide behind the next chunk; only the pipeline fill and drain wait.
+  pp_per_mb = 0.0 if (tech.pp_overlap or p == 1) else 2 * v * hop
+  stage_s = slowest.total + pp_per_mb
+  bubble = (p - 1) / v * stage_s
+  if tech.pp_overlap:
+    bubble += 2 * (p - 1) * hop
+  steady = m * stage_s
+
+  host_iter = 0.0 if tech.async_data else c.host_per_iteration_s
+  data = host_iter + (0.0 if tech.async_data else m * c.host_per_micro_batch_s)
+
+  rs, ag = dp_times(model, layout, hw, c)
+  chunks = v if v > 1 else max(1, model.num_layers // p)
+  dp = dp_exposure(rs, ag, chunks, tech.dp_overlap, steady + bubble, host_iter,
+                   comm.sm_share(hw, c)) + embedding_sync_time(model, layout, hw, c)
+
+  n_shard = params_per_device(model, layout) / layout.dp
+  update = c.adam_update_bytes + (c.lamb_extra_bytes if tech.lamb else 0) + c.grad_bytes
+  optimizer = compute.memory_time(n_shard * update, hw.hbm_bw, c, kernels=4)
+
+  breakdown = {
+      "compute": m * (slowest.gemm + slowest.attention),
+      "memory_bound": m * slowest.memory_bound,
+      "tp_exposed": m * slowest.tp_exposed,
+      "pp_exposed": m * pp_per_mb,
+      "bubble": bubble,
+      "dp_exposed": dp,
+      "optimizer": optimizer,
+      "data": data,
+  }
+  iteration = sum(breakdown.values())
+  tokens_per_s = layout.global_batch * model.seq_len / iteration
+  flops = megatron_flops_per_token(model.num_layers, model.hidden, model.seq_len, model.vocab)
+  return Prediction(model=model, layout=layout, techniques=tech, recompute=recompute,
+                    iteration_s=iteration, breakdown=breakdown, tokens_per_s=tokens_per_s,
+                    mfu=mfu(tokens_per_s, flops, layout.devices, hw.peak(dtype)), memory=memory)
+
+
+def predict(model: ModelSpec, layout: Layout, tech: Techniques, hw: Hardware,
+            c: Constants = DEFAULT, recompute: str = "auto",
+            dtype: str = "bfloat16") -> Prediction:
+  """Predicts one training iteration of `model` laid out as `layout` on `hw`.
+
+  recompute='auto' takes the cheapest activation recomputation that fits in memory ('none',
+  then 'selective' (attention core), then 'full'); if none fits the prediction says so
+  (`fits` is False) and uses 'full'.
+  """
+  validate(model, layout)
+  if recompute != "auto" and recompute not in RECOMPUTES:
+    raise ConfigError("recompute", recompute, f"'auto' or one of {RECOMPUTES}")
+  options = RECOMPUTES if recompute == "auto" else (recompute,)
+  for option in options:
+    memory = memory_per_device(model, layout, tech, option, hw.hbm_bytes, c)
+    if memory.fits:
+      break
+  return _predict_with(model, layout, tech, option, hw, c, dtype, memory)

@@ -1,0 +1,68 @@
+"""Memory per device: parameters, gradients, optimizer state, activations, and the OOM verdict."""
+import dataclasses
+
+from mscale_jax.perf.constants import Constants
+from mscale_jax.perf.workload import Layout, ModelSpec, Techniques
+
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """Bytes per device on the busiest (first) pipeline stage."""
+  params: float
+  grads: float
+  optimizer: float
+  activations: float
+  reserved: float
+  capacity: float
+
+  @property
+  def total(self) -> float:
+    """All bytes the device needs."""
+    return self.params + self.grads + self.optimizer + self.activations + self.reserved
+
+  @property
+  def fits(self) -> bool:
+    """The out-of-memory verdict: False when `total` exceeds the device's capacity."""
+    return self.total <= self.capacity
+
+
+def params_per_device(model: ModelSpec, layout: Layout) -> float:
+  """Parameters held by a first-stage device: its layers and its shard of the embedding."""
+  layers = model.num_layers / layout.pp
+  return (layers * model.params_per_layer + model.vocab * model.hidden) / layout.tp
+
+
+def activation_bytes_per_layer(model: ModelSpec, layout: Layout, tech: Techniques,
+                               recompute: str, c: Constants) -> float:
+  """Stashed activations of one layer for one micro-batch under TP+SP (Korthikanti et al.)."""
+  sbh = model.seq_len * layout.micro_batch * model.hidden
+  if recompute == "full":
+    return 2.0 * sbh / layout.tp                      # only the layer input, bf16
+  per = c.act_bytes_parallel if tech.parallel_block else c.act_bytes_sequential
+  total = per * sbh / layout.tp
+  if recompute == "none" and not tech.efficient_ops:
+    # Unfused attention keeps the softmax output (2 bytes) and its mask (1) and the scores
+    # input to the softmax backward (2): 5 bytes per computed (query, key) pair per head.
+    w = model.seq_len if tech.sliding_window is None else min(tech.sliding_window,
+                                                              model.seq_len)
+    total += 5.0 * model.num_heads * model.seq_len * w * layout.micro_batch / layout.tp
+  return total
+
+
+def memory_per_device(model: ModelSpec, layout: Layout, tech: Techniques, recompute: str,
+                      capacity: float, c: Constants) -> Memory:
+  """Memory of a first-stage device (it stashes the most micro-batches in 1F1B)."""
+  n = params_per_device(model, layout)
+  # Interleaved 1F1B stashes pp micro-batches' worth of every layer on the first stage, plus
+  # (pp-1)/(pp*vpp) more for the extra warm-up chunks (Korthikanti et al., section 4.2.3).
+  inflight = 1.0 + (layout.pp - 1) / (layout.pp * layout.vpp) if layout.vpp > 1 else 1.0
+  inflight *= min(layout.num_micro_batches, layout.pp) / layout.pp
+  inflight_layers = model.num_layers * inflight
+  acts = inflight_layers * activation_bytes_per_layer(model, layout, tech, recompute, c)
+  if recompute == "full":
+    acts += activation_bytes_per_layer(model, layout, tech, "selective", c)
+  return Memory(params=n * c.param_bytes, grads=n * c.grad_bytes,
+                optimizer=n * c.optim_state_bytes / layout.dp, activations=acts,
+                reserved=c.reserved_bytes, capacity=capacity)
