@@ -199,10 +199,11 @@ def _divides(field: str, value: int, axis: str, size: int, what: str) -> None:
     raise ConfigError(field, value, f"{what} must be divisible by mesh.{axis}={size}")
 
 
-def validate(config: Config, num_devices: int, *, allow_pipeline: bool = False
-             ) -> dict[str, int]:
+def validate(config: Config, num_devices: int, *, platform: str | None = None,
+             allow_pipeline: bool = False) -> dict[str, int]:
   """Checks `config` for `num_devices` devices; returns the concrete mesh shape.
 
+  `platform` ('cpu', 'gpu', 'tpu') enables checks of platform-specific choices;
   `allow_pipeline` admits mesh.stage > 1, for dry runs that only count memory per device.
 
   Raises:
@@ -220,6 +221,10 @@ def validate(config: Config, num_devices: int, *, allow_pipeline: bool = False
   _choice("model.tp_comm", m.tp_comm, TP_COMMS)
   _choice("model.remat", m.remat, REMATS)
   _choice("model.dtype", m.dtype, DTYPES)
+  if m.attention_impl == "cudnn" and platform not in (None, "gpu"):
+    raise ConfigError("model.attention_impl", m.attention_impl,
+                      f"'cudnn' needs an NVIDIA GPU but the devices are {platform}; use 'xla' "
+                      f"or 'pallas'")
   if m.hidden % m.num_heads:
     raise ConfigError("model.hidden", m.hidden,
                       f"must be divisible by model.num_heads={m.num_heads}")

@@ -13,8 +13,9 @@ The communication strategy `tp_comm` is 'xla' (all-gather then dot; the baseline
 (a ring of chunked dots and `ppermute`s that XLA overlaps) or 'pallas' (one fused kernel with
 remote DMAs); all three live in `pallas_kernels.collective_matmul` and give the same numbers.
 
-Only the 'tensor' axis is manual inside the region; the batch stays sharded over (data, fsdp)
-by XLA, and fsdp-sharded kernels are gathered by XLA before they enter.
+Inside the region every mesh axis is manual (the Pallas TPU interpreter requires it): the
+batch is split over (data, fsdp) and kernels enter whole over fsdp, so XLA all-gathers
+fsdp-sharded kernels on the way in and reduce-scatters their gradients on the way out.
 """
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from mscale_jax.mesh import BATCH_AXES
 from pallas_kernels import collective_matmul
 
 AXIS = "tensor"
@@ -55,8 +57,8 @@ def gather_matmul(x: jax.Array, kernels: Sequence[jax.Array], *,
     return _split_columns(y, widths)
 
   n = len(kernels)
-  return jax.shard_map(local, in_specs=(P(None, AXIS, None),) + (P(None, AXIS),) * n,
-                       out_specs=[P(None, None, AXIS)] * n, axis_names={AXIS})(x, *kernels)
+  return jax.shard_map(local, in_specs=(P(BATCH_AXES, AXIS, None),) + (P(None, AXIS),) * n,
+                       out_specs=[P(BATCH_AXES, None, AXIS)] * n)(x, *kernels)
 
 
 def matmul_scatter(xs: Sequence[jax.Array], kernels: Sequence[jax.Array], *,
@@ -82,5 +84,5 @@ def matmul_scatter(xs: Sequence[jax.Array], kernels: Sequence[jax.Array], *,
     return y.reshape(b, s // tp, -1)
 
   n = len(xs)
-  return jax.shard_map(local, in_specs=(P(None, None, AXIS),) * n + (P(AXIS, None),) * n,
-                       out_specs=P(None, AXIS, None), axis_names={AXIS})(*xs, *kernels)
+  return jax.shard_map(local, in_specs=(P(BATCH_AXES, None, AXIS),) * n + (P(AXIS, None),) * n,
+                       out_specs=P(BATCH_AXES, AXIS, None))(*xs, *kernels)

@@ -1,0 +1,74 @@
+"""Fused LayerNorm (Pallas) against XLA's LayerNorm: forward, forward + residual, fwd+bwd.
+
+Shapes ('full'): the 1.3B model's activations (8192 tokens x hidden 2048) and one 175B layer
+(2048 tokens x hidden 12288), bf16. GB/s counts the bytes a perfect kernel must move
+(fwd: read x, write y; +residual: also read r, write h; fwd+bwd: that plus read h, dy, dh, write
+dx), so the same figure applies to both implementations. Target on GPU: the fused kernel at
+>= 80% of HBM bandwidth.
+"""
+import jax
+import jax.numpy as jnp
+
+from experiments.timing import time_fn
+from pallas_kernels import layer_norm as ln
+
+SHAPES = {
+    "tiny": [("tiny", 256, 256)],
+    "small": [("1.3B-like/8", 1024, 512), ("175B-like/24", 256, 512)],
+    "full": [("1.3B", 8192, 2048), ("175B", 2048, 12288)],
+}
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def hbm_peak():
+  """Peak HBM bandwidth of device 0 in bytes/s, or None where unknown (CPU)."""
+  kind = jax.devices()[0].device_kind
+  return next((peak for name, peak in HBM_BYTES_PER_S.items() if name in kind), None)
+
+
+def _passes(impl):
+  if impl == "pallas":
+    norm = lambda x, s, b, **kw: ln.layer_norm(x, s, b, **kw)
+  else:
+    norm = lambda x, s, b, **kw: ln.reference_layer_norm(x, s, b, **kw)
+  fwd = jax.jit(lambda x, r, s, b: norm(x, s, b))
+  fwd_res = jax.jit(lambda x, r, s, b: norm(x, s, b, residual=r))
+
+  def loss(x, r, s, b):
+    y, h = norm(x, s, b, residual=r)
+    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32))
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  # Multiples of rows * hidden * itemsize moved by an ideal kernel.
+  return [("fwd", fwd, 2), ("fwd+residual", fwd_res, 4), ("fwd+bwd (residual)", fwd_bwd, 8)]
+
+
+def run(size: str, warmup: int, repeats: int) -> dict:
+  """Times the Pallas and XLA LayerNorm at the `size` shapes; rows with GB/s and HBM fraction."""
+  peak = hbm_peak()
+  dtype = jnp.bfloat16
+  rows_out = []
+  for label, rows, hidden in SHAPES[size]:
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (rows, hidden), dtype)
+    r = jax.random.normal(keys[1], (rows, hidden), dtype)
+    s = 1.0 + 0.1 * jax.random.normal(keys[2], (hidden,))
+    b = 0.1 * jax.random.normal(keys[3], (hidden,))
+    times = {}
+    for impl in ("xla", "pallas"):
+      for name, fn, multiple in _passes(impl):
+        t = time_fn(fn, x, r, s, b, warmup=warmup, repeats=repeats)["median_s"]
+        times[(impl, name)] = t
+        gbps = multiple * rows * hidden * jnp.dtype(dtype).itemsize / t / 1e9
+        row = {"shape": f"{label} {rows}x{hidden}", "impl": impl, "pass": name,
+               "median_ms": t * 1e3, "GB/s": gbps}
+        if peak:
+          row["hbm_frac"] = gbps * 1e9 / peak
+        if impl == "pallas":
+          row["speedup_vs_xla"] = times[("xla", name)] / t
+        rows_out.append(row)
+  notes = ["bf16 activations, fp32 scale/bias and statistics; GB/s = ideal bytes / median time",
+           "target: fused LayerNorm >= 80% of HBM bandwidth (H100 3.35 TB/s, H200 4.8 TB/s)"]
+  if jax.devices()[0].platform == "cpu":
+    notes.append("CPU: the Pallas kernel runs in the interpreter; times show interpreter "
+                 "overhead, not kernel speed")
+  return {"rows": rows_out, "notes": notes}
