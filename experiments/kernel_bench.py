@@ -8,9 +8,12 @@ kernels run in the Pallas interpreter and the 8 simulated devices share the host
 timings show interpreter and simulation overhead, never kernel speed or overlap.
 """
 import importlib
-import sys
 
-from absl import app, flags
+from experiments.host_devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)
+
+from absl import app, flags  # noqa: E402
 
 KERNELS = ("collective_matmul", "flash_attention", "layer_norm", "lamb", "gemm")
 

@@ -9,19 +9,16 @@ Outputs go to --workdir (default runs/<config>-<UTC timestamp>): metrics.jsonl, 
 events in tensorboard/, checkpoints/ and summary.json. A workdir that holds checkpoints is
 resumed. A bad configuration prints one line and exits with status 2 before anything compiles.
 """
-import os
+from experiments.host_devices import simulate_cpu_devices
 
-# On a host without accelerators, simulate 8 devices so every mesh layout can run. The flag
-# only affects the CPU backend; it must be set before JAX initialises.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+simulate_cpu_devices(8)
 
-import datetime
-import json
-import logging
-import math
-import sys
+import datetime  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 from absl import app, flags
 from absl import logging as absl_logging
