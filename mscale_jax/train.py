@@ -78,11 +78,10 @@ class Trainer:
     self.workdir = os.path.abspath(workdir)
     self.devices = list(devices if devices is not None else jax.devices())
     self.show_progress = show_progress
-    self.mesh = mesh_lib.make_mesh(validate(config, len(self.devices)), self.devices)
+    mesh_shape = validate(config, len(self.devices), platform=self.devices[0].platform)
+    self.mesh = mesh_lib.make_mesh(mesh_shape, self.devices)
     self.corpus = data_lib.load_corpus(config.data, config.model.vocab_size)
     t = config.train
-    self.tx = optim.make_optimizer(config.optimizer, t.steps)
-    self.schedule = optim.make_schedule(config.optimizer, t.steps)
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                      keep=t.keep_checkpoints, async_save=t.async_checkpoint)
     latest = self.checkpointer.latest_step()
@@ -91,6 +90,9 @@ class Trainer:
     self.graphdef, abstract_params, names = abstract_model(config.model)
     self.num_params = count_params(abstract_params)
     param_shardings = mesh_lib.shardings_for(self.mesh, names)
+    self.tx = optim.make_optimizer(config.optimizer, t.steps, param_names=names,
+                                   param_shardings=param_shardings)
+    self.schedule = optim.make_schedule(config.optimizer, t.steps)
     replicated = mesh_lib.named_sharding(self.mesh, ())
     abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
     self.state_shardings = {
