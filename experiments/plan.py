@@ -97,6 +97,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_batch_scale", 1, "Also try the batch times 2..N (with LAMB on).")
   flags.DEFINE_integer("top", 5, "How many configurations to print.")
   flags.DEFINE_string("calibrate", None, "kernel_bench-gemm record to calibrate on.")
+  flags.DEFINE_bool("calibrate_any_device", False, "Apply --calibrate's record even when it was "
+                    "measured on another accelerator than --hardware models.")
 
 
 def main(argv):
@@ -105,7 +107,8 @@ def main(argv):
   try:
     c, note = constants.DEFAULT, "default constants"
     if f.calibrate:
-      c, note = calibrate.calibrated(c, f.calibrate)
+      c, note = calibrate.calibrated(c, f.calibrate, hardware.get_hardware(f.hardware),
+                                     allow_other_device=f.calibrate_any_device)
     print(f"[plan] {note}")
     for value in f.gpus:
       try:

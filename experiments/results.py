@@ -14,13 +14,17 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_commit() -> str:
-  """The current commit hash, with '+dirty' when the tree has uncommitted changes."""
+  """The current commit hash, with '+dirty' when the tree differs from it.
+
+  Untracked files count (new code that is not committed yet), except under results/, where
+  records are written.
+  """
   try:
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
-    return sha + ("+dirty" if dirty else "")
+    status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)results"],
+                            cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    return sha + ("+dirty" if status else "")
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
 

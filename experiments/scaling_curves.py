@@ -141,15 +141,21 @@ def plot_waterfall(path: str, results: list) -> None:
   plt.close(fig)
 
 
-def run(out_dir: str, calibration: str | None = None, hw_name: str = "a100_megascale") -> dict:
-  """Predicts every row, writes the outputs to `out_dir`; returns {'paths', 'results'}."""
+def run(out_dir: str, calibration: str | None = None, hw_name: str = "a100_megascale",
+        allow_other_device: bool = False) -> dict:
+  """Predicts every row, writes the outputs to `out_dir`; returns {'paths', 'results'}.
+
+  A calibration record must come from the accelerator `hw_name` models unless
+  `allow_other_device`.
+  """
   from experiments.results import write_record
   hw = hardware.get_hardware(hw_name)
   c = constants.DEFAULT
   notes = ["No GPU benchmark record was used: efficiency constants are the documented defaults."]
   moves = []
   if calibration:
-    c, note = calibrate.calibrated(constants.DEFAULT, calibration)
+    c, note = calibrate.calibrated(constants.DEFAULT, calibration, hw,
+                                   allow_other_device=allow_other_device)
     notes = [note]
   results = predict_rows(hw, c)
   if calibration:
@@ -185,13 +191,19 @@ def define_flags() -> None:
   flags.DEFINE_string("calibrate", None, "A kernel_bench-gemm JSON record whose measured GEMM "
                       "efficiency replaces the modelled curve.")
   flags.DEFINE_string("hardware", "a100_megascale", "Hardware preset.")
+  flags.DEFINE_bool("calibrate_any_device", False, "Apply --calibrate's record even when it was "
+                    "measured on another accelerator than --hardware models.")
 
 
 def main(argv):
   del argv
   f = flags.FLAGS
+  if f.calibrate and f.calibrate_any_device:
+    print(f"[scaling_curves] note: --calibrate_any_device: the GEMM curve of {f.calibrate} is "
+          f"applied to {f.hardware} whatever device it was measured on; predictions may not "
+          f"describe either accelerator")
   try:
-    out = run(f.out_dir, f.calibrate, f.hardware)
+    out = run(f.out_dir, f.calibrate, f.hardware, f.calibrate_any_device)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -63,8 +63,7 @@ def dry_run(config) -> dict:
       "mesh": mesh_shape,
       "devices": math.prod(mesh_shape.values()),
       "num_params": sum(math.prod(p.shape) for p in leaves),
-      "flops_per_token": flops.megatron_flops_per_token(m.num_layers, m.hidden, m.seq_len,
-                                                        m.vocab_size),
+      "flops_per_token": flops.model_flops_per_token(m),
       "params_per_device": local,
       "per_device_gib": {"params_fp32": 4 * local / gib, "grads_fp32": 4 * local / gib,
                          "optimizer_fp32": 8 * local / gib, "total": 16 * local / gib},
@@ -98,7 +97,11 @@ def main(argv):
         f"{len(trainer.devices)} x {trainer.devices[0].device_kind}, mesh "
         f"{dict(trainer.mesh.shape)}; data: {trainer.corpus.description}; workdir {workdir}",
         flush=True)
-  summary = trainer.train()
+  try:
+    summary = trainer.train()
+  except ConfigError as e:   # raised while tracing, e.g. a kernel's block size
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   if jax.process_index() != 0:
     return
   print("[train] summary:")

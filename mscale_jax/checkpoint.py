@@ -3,7 +3,8 @@
 A checkpoint at step N holds three items:
   state  the train state pytree {step, params, opt_state} (sharded arrays);
   data   the data iterator's state (JSON), so a resumed run sees the same batches;
-  meta   the model config (JSON), so resuming a different model shape fails clearly.
+  meta   the model and optimizer configs (JSON), so resuming a different model shape or
+         optimizer fails clearly.
 
 Saves run in a background thread (the device-to-host copy happens before `save` returns, so the
 next step may overwrite donated buffers). Orbax writes into a temporary directory and renames it
@@ -17,7 +18,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from mscale_jax.config import ModelConfig
+from mscale_jax.config import Config
 from mscale_jax.errors import ConfigError
 
 log = logging.getLogger("mscale_jax")
@@ -35,20 +36,35 @@ class Checkpointer:
                                           item_names=("state", "data", "meta"))
 
   def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or None (half-written ones do not count)."""
     return self._manager.latest_step()
 
-  def save(self, step: int, state, data_state: dict, model_config: ModelConfig) -> None:
+  def save(self, step: int, state, data_state: dict, config: Config) -> None:
     """Starts saving step `step` (returns once the arrays are copied off the devices)."""
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
-        meta=ocp.args.JsonSave({"model": dataclasses.asdict(model_config)})))
+        meta=ocp.args.JsonSave({"model": dataclasses.asdict(config.model),
+                                "optimizer": dataclasses.asdict(config.optimizer),
+                                "train_steps": config.train.steps})))
 
-  def check_compatible(self, step: int, model_config: ModelConfig) -> None:
-    """Raises ConfigError if checkpoint `step` was written by a model of another shape."""
-    saved = self._manager.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))["meta"]["model"]
-    current = dataclasses.asdict(model_config)
+  def check_compatible(self, step: int, config: Config) -> None:
+    """Raises ConfigError if checkpoint `step` was written by another model shape or optimizer.
+
+    A different `train.steps` is allowed (to extend a run) but changes the learning-rate
+    schedule from here on, so it is logged.
+    """
+    meta = self._manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
+    if meta["optimizer"]["name"] != config.optimizer.name:
+      raise ConfigError("optimizer.name", config.optimizer.name,
+                        f"the checkpoint in {self.directory} (step {step}) holds "
+                        f"{meta['optimizer']['name']!r} state; use that optimizer or a new "
+                        f"--workdir")
+    if meta["train_steps"] != config.train.steps:
+      log.warning("resuming a run planned for %d steps with train.steps=%d: the learning-rate "
+                  "schedule changes from here on", meta["train_steps"], config.train.steps)
+    saved, current = meta["model"], dataclasses.asdict(config.model)
     shape_fields = ("vocab_size", "num_layers", "hidden", "num_heads", "mlp_dim", "seq_len",
                     "mlp_activation", "norm", "positions", "use_bias", "tie_embeddings",
                     "scan_layers", "block")
@@ -59,22 +75,26 @@ class Checkpointer:
                           f"model.{field}={saved.get(field)!r}; use that value or a new "
                           f"--workdir")
 
+  def restore_data_state(self, step: int) -> dict:
+    """The data iterator's state saved with `step`."""
+    return self._manager.restore(step, args=ocp.args.Composite(
+        data=ocp.args.JsonRestore()))["data"]
+
   def restore(self, step: int, abstract_state):
-    """Restores (state, data_state) of `step`, laid out as `abstract_state`'s shardings say.
+    """Restores the train state of `step`, laid out as `abstract_state`'s shardings say.
 
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct`s with shardings; they may describe a
     different mesh from the one the checkpoint was saved on (orbax reshards on load).
     """
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        data=ocp.args.JsonRestore()))
-    return restored["state"], restored["data"]
+    return self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state)))["state"]
 
   def wait(self) -> None:
     """Blocks until every started save is on disk."""
     self._manager.wait_until_finished()
 
   def close(self) -> None:
+    """Waits for pending saves and releases the manager's threads."""
     self._manager.wait_until_finished()
     self._manager.close()
 

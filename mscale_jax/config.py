@@ -50,6 +50,7 @@ class ModelConfig:
 
   @property
   def head_dim(self) -> int:
+    """Size of one attention head: hidden / num_heads."""
     return self.hidden // self.num_heads
 
 
@@ -156,6 +157,7 @@ class Config:
     return _from_dict(cls, tree, prefix="")
 
   def to_dict(self) -> dict[str, Any]:
+    """Nested plain dicts (for JSON records and checkpoints)."""
     return dataclasses.asdict(self)
 
   def replace(self, **sections) -> "Config":
@@ -221,10 +223,7 @@ def validate(config: Config, num_devices: int, *, platform: str | None = None,
   _choice("model.tp_comm", m.tp_comm, TP_COMMS)
   _choice("model.remat", m.remat, REMATS)
   _choice("model.dtype", m.dtype, DTYPES)
-  if m.attention_impl == "cudnn" and platform not in (None, "gpu"):
-    raise ConfigError("model.attention_impl", m.attention_impl,
-                      f"'cudnn' needs an NVIDIA GPU but the devices are {platform}; use 'xla' "
-                      f"or 'pallas'")
+  _check_platform_kernels(m, platform)
   if m.hidden % m.num_heads:
     raise ConfigError("model.hidden", m.hidden,
                       f"must be divisible by model.num_heads={m.num_heads}")
@@ -242,6 +241,15 @@ def validate(config: Config, num_devices: int, *, platform: str | None = None,
     raise ConfigError("optimizer.warmup_steps", o.warmup_steps, "an integer >= 0")
   if o.grad_clip is not None and not o.grad_clip > 0:
     raise ConfigError("optimizer.grad_clip", o.grad_clip, "None or a positive number")
+  for field in ("b1", "b2"):
+    if not 0.0 <= getattr(o, field) < 1.0:
+      raise ConfigError(f"optimizer.{field}", getattr(o, field), "a number in [0, 1)")
+  if not o.eps > 0:
+    raise ConfigError("optimizer.eps", o.eps, "a positive number")
+  if not o.weight_decay >= 0:
+    raise ConfigError("optimizer.weight_decay", o.weight_decay, "a number >= 0")
+  if not 0.0 <= o.min_lr_ratio <= 1.0:
+    raise ConfigError("optimizer.min_lr_ratio", o.min_lr_ratio, "a fraction in [0, 1]")
   _choice("data.kind", d.kind, DATA_KINDS)
   _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
   if d.kind == "tokens" and not d.path:
@@ -254,10 +262,16 @@ def validate(config: Config, num_devices: int, *, platform: str | None = None,
   if t.steps <= o.warmup_steps:
     raise ConfigError("train.steps", t.steps,
                       f"must exceed optimizer.warmup_steps={o.warmup_steps}")
+  for field in ("eval_every", "checkpoint_every"):
+    # Both happen on logged steps, so that step timings leave them out.
+    if getattr(t, field) % t.log_every:
+      raise ConfigError(f"train.{field}", getattr(t, field),
+                        f"a multiple of train.log_every={t.log_every}")
 
   mesh = config.mesh.shape(num_devices)
   if mesh["stage"] != 1 and not allow_pipeline:
     raise ConfigError("mesh.stage", mesh["stage"], "1 (pipeline parallelism is not built yet)")
+  _divides("model.num_layers", m.num_layers, "stage", mesh["stage"], "the layers")
   tp = mesh["tensor"]
   _divides("model.num_heads", m.num_heads, "tensor", tp, "attention heads")
   _divides("model.vocab_size", m.vocab_size, "tensor", tp, "the vocabulary (embedding rows)")
@@ -270,4 +284,35 @@ def validate(config: Config, num_devices: int, *, platform: str | None = None,
   if t.global_batch % batch_shards:
     raise ConfigError("train.global_batch", t.global_batch,
                       f"must be divisible by mesh.data*mesh.fsdp={batch_shards}")
+  if m.tp_comm == "pallas":
+    # The ring kernel moves whole row tiles: 8 rows of float32, 16 of bfloat16 per device.
+    rows = t.global_batch // batch_shards * m.seq_len // tp
+    tile = 8 if m.dtype == "float32" else 16
+    if rows % tile:
+      raise ConfigError("model.tp_comm", m.tp_comm,
+                        f"the Pallas ring needs each device's rows (batch/(data*fsdp) * "
+                        f"seq_len/tensor = {rows}) to be a multiple of {tile} in {m.dtype}; "
+                        f"change the batch or seq_len, or use 'ppermute'")
   return mesh
+
+
+def _check_platform_kernels(m: ModelConfig, platform: str | None) -> None:
+  """Kernel choices that only some platforms support (checked when the platform is known)."""
+  if platform is None:
+    return
+  if m.attention_impl == "cudnn":
+    if platform != "gpu":
+      raise ConfigError("model.attention_impl", m.attention_impl,
+                        f"'cudnn' needs an NVIDIA GPU but the devices are {platform}; use "
+                        f"'xla' or 'pallas'")
+    if m.dtype != "bfloat16":
+      raise ConfigError("model.dtype", m.dtype, "'bfloat16' with attention_impl='cudnn' "
+                        "(cuDNN flash attention has no float32 kernel)")
+    if m.head_dim % 8 or m.head_dim > 128:
+      raise ConfigError("model.hidden", m.hidden,
+                        f"cuDNN attention needs head_dim = hidden/num_heads a multiple of 8 "
+                        f"and at most 128 (here {m.head_dim})")
+  if m.tp_comm == "pallas" and platform == "gpu":
+    raise ConfigError("model.tp_comm", m.tp_comm,
+                      "the Pallas collective matmul is a TPU-style kernel (remote DMAs); on "
+                      "GPU use 'ppermute' (XLA overlaps its async collective-permutes)")

@@ -3,7 +3,9 @@
 MFU = tokens/s * FLOPs-per-token / (devices * peak FLOP/s). FLOPs per token use the Megatron-LM
 formula without recomputation, `72 l h^2 (1 + s/(6h) + V/(16 l h))`, the one the paper's numbers
 match (1.0762e12 for the 175B model). It counts a full causal attention matrix whatever the
-window, so sliding-window attention shows up as higher MFU, as in the paper.
+window, so sliding-window attention shows up as higher MFU, as in the paper. The peak is the
+accelerator's dense bf16 peak whatever the compute dtype (the paper's denominator; float32
+matmuls run as TF32 on A100/H100 by default anyway).
 
 This module is pure Python; only `measure_cpu_peak` imports JAX.
 """
@@ -15,6 +17,7 @@ import time
 PEAK_FLOPS = {
     "a100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "tf32": 156e12},
     "h100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "tf32": 494e12},   # SXM
+    "h100 pcie": {"bfloat16": 756e12, "float16": 756e12, "float32": 51e12, "tf32": 378e12},
     "h200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12, "tf32": 494e12},   # SXM
     "tpu v4": {"bfloat16": 275e12, "float32": 275e12 / 4},
     "tpu v5 lite": {"bfloat16": 197e12, "float32": 197e12 / 4},   # v5e
@@ -28,6 +31,20 @@ def megatron_flops_per_token(num_layers: int, hidden: int, seq_len: int, vocab: 
   """Training FLOPs per token (forward + backward, no recomputation), Megatron-LM's formula."""
   l, h, s, v = num_layers, hidden, seq_len, vocab
   return 72.0 * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+
+
+def model_flops_per_token(config) -> float:
+  """Training FLOPs per token of a `ModelConfig`, counted as the Megatron formula counts them.
+
+  Per layer: 6 x the matmul weights (QKV and output 4h^2, MLP (g+1) h F for g input
+  projections: g=2 for SwiGLU) plus 12 s h for full causal attention (a window is not
+  subtracted); 4.5 h V for the logits. With a GeLU MLP of width 4h this is exactly
+  `megatron_flops_per_token`, and it stays comparable for other MLP widths and SwiGLU.
+  """
+  h, s, v, f = config.hidden, config.seq_len, config.vocab_size, config.mlp_dim
+  gates = 2 if config.mlp_activation == "swiglu" else 1
+  per_layer = 6.0 * (4 * h * h + (gates + 1) * h * f) + 12.0 * s * h
+  return config.num_layers * per_layer + 4.5 * h * v
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak_flops: float) -> float:

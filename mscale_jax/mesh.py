@@ -7,8 +7,8 @@ Megatron-style, over tensor on 'heads' / 'mlp' / 'vocab'; activations between bl
 on the sequence ('seq_sp', sequence parallelism).
 
 The mesh uses `AxisType.Auto` axes: XLA propagates shardings from the parameter layouts and the
-constraints the model places, and only the tensor-parallel region (`parallel/tensor.py`) is
-written per device, inside `jax.shard_map` over 'tensor'.
+constraints the model places. Only the tensor-parallel region (`parallel/tensor.py`) and custom
+kernels (`per_shard`) are written per device, inside `jax.shard_map` with every axis manual.
 """
 from collections.abc import Sequence
 
@@ -38,13 +38,13 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A mesh with axes (data, fsdp, stage, tensor) of the given sizes over `devices`.
 
-  `tensor` is the fastest-varying axis, so tensor-parallel groups are neighbouring devices
-  (on a GPU server, the ones joined by NVLink).
+  `tensor` is the last axis, and `jax.make_mesh` lays axes out by the physical topology, so
+  tensor-parallel groups are the most closely connected devices (NVLink, ICI neighbours).
   """
-  devices = list(devices if devices is not None else jax.devices())
   sizes = tuple(shape[axis] for axis in MESH_AXES)
-  grid = np.asarray(devices[:int(np.prod(sizes))], dtype=object).reshape(sizes)
-  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  devices = list(devices if devices is not None else jax.devices())[:int(np.prod(sizes))]
+  return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
 
 
 def logical_to_spec(names: Sequence[str | None] | None) -> P:
@@ -55,6 +55,7 @@ def logical_to_spec(names: Sequence[str | None] | None) -> P:
 
 
 def named_sharding(mesh: Mesh, names: Sequence[str | None] | None) -> NamedSharding:
+  """NamedSharding on `mesh` for logical dimension `names` (() or None: replicated)."""
   return NamedSharding(mesh, logical_to_spec(names))
 
 

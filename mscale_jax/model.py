@@ -19,7 +19,7 @@ from flax import nnx
 
 from mscale_jax import attention as attention_lib
 from mscale_jax.config import ModelConfig
-from mscale_jax.mesh import constrain
+from mscale_jax.mesh import constrain, per_shard
 from mscale_jax.parallel import tensor as tp
 
 # Activations between blocks: batch over (data, fsdp), sequence over 'tensor'.
@@ -35,7 +35,7 @@ def _param(rngs: nnx.Rngs, shape, names, std: float | None = 0.02) -> nnx.Param:
   """A float32 parameter, normal(std) or zeros (std=None), annotated with logical `names`."""
   value = (jnp.zeros(shape, jnp.float32) if std is None else
            std * jax.random.normal(rngs.params(), shape, jnp.float32))
-  return nnx.Param(value, sharding=names)
+  return nnx.Param(value, out_sharding=names)
 
 
 class Norm(nnx.Module):
@@ -43,11 +43,13 @@ class Norm(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     self.kind, self.impl, self.eps = config.norm, config.norm_impl, 1e-5
-    self.scale = nnx.Param(jnp.ones((config.hidden,), jnp.float32), sharding=("act_embed",))
+    self.scale = nnx.Param(jnp.ones((config.hidden,), jnp.float32),
+                           out_sharding=("act_embed",))
     if self.kind == "layernorm":
       self.offset = _param(rngs, (config.hidden,), ("act_embed",), std=None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    """[..., hidden] -> same shape and dtype; the Pallas kernel when norm_impl='pallas'."""
     if self.impl == "pallas":
       return self._pallas(x)
     x32 = x.astype(jnp.float32)
@@ -59,7 +61,6 @@ class Norm(nnx.Module):
     return y.astype(x.dtype)
 
   def _pallas(self, x: jax.Array) -> jax.Array:
-    from mscale_jax.mesh import per_shard
     from pallas_kernels import layer_norm as kernels
     if self.kind == "layernorm":
       fn = lambda x, s, o: kernels.layer_norm(x, s, o, eps=self.eps)
@@ -207,6 +208,7 @@ class GPT(nnx.Module):
       self.unembed = _param(rngs, (c.hidden, c.vocab_size), ("embed", "vocab"))
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
+    """int [batch, seq] -> float32 logits [batch, seq, vocab], batch over (data, fsdp)."""
     c = self.config
     x = jnp.take(self.embed[...], tokens, axis=0)
     if c.positions == "learned":

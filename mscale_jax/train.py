@@ -52,18 +52,24 @@ class Peak:
 
 
 def peak_flops(config: Config, devices) -> Peak:
-  """Data-sheet peak of the accelerators, or this host's measured matmul rate on CPU."""
+  """Data-sheet dense bf16 peak of the accelerators, or this host's measured matmul rate on CPU.
+
+  On accelerators the denominator is the bf16 peak whatever the compute dtype, as in the paper
+  (float32 matmuls run as TF32 on A100/H100 by default). CPU has no data sheet: its matmul rate
+  is measured in the compute dtype, once, and cached.
+  """
   kind, dtype = devices[0].device_kind, config.model.dtype
   if devices[0].platform == "cpu":
     host = flops_lib.measure_cpu_peak(dtype)
     return Peak(host, f"measured {dtype} matmul rate of this host ({host / 1e9:.1f} GFLOP/s), "
                       f"shared by the {len(devices)} simulated CPU devices")
-  per_device = flops_lib.known_peak(kind, dtype)
+  per_device = flops_lib.known_peak(kind, "bfloat16")
   if per_device is None:
-    raise ValueError(f"no peak FLOP/s known for device kind {kind!r} in {dtype}; add it to "
-                     f"mscale_jax.flops.PEAK_FLOPS")
-  return Peak(per_device * len(devices),
-              f"{len(devices)} x {kind} {dtype} dense peak ({per_device / 1e12:.0f} TFLOP/s each)")
+    log.warning("no peak FLOP/s known for %r: MFU is not reported (add it to "
+                "mscale_jax.flops.PEAK_FLOPS)", kind)
+    return Peak(float("nan"), f"unknown: no peak known for {kind}")
+  return Peak(per_device * len(devices), f"{len(devices)} x {kind} dense bf16 peak "
+                                         f"({per_device / 1e12:.0f} TFLOP/s each)")
 
 
 class Trainer:
@@ -84,9 +90,6 @@ class Trainer:
     t = config.train
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                      keep=t.keep_checkpoints, async_save=t.async_checkpoint)
-    latest = self.checkpointer.latest_step()
-    if latest is not None:
-      self.checkpointer.check_compatible(latest, config.model)
     self.graphdef, abstract_params, names = abstract_model(config.model)
     self.num_params = count_params(abstract_params)
     param_shardings = mesh_lib.shardings_for(self.mesh, names)
@@ -104,8 +107,8 @@ class Trainer:
     }
     self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
     m = config.model
-    self.flops_per_token = flops_lib.megatron_flops_per_token(m.num_layers, m.hidden,
-                                                               m.seq_len, m.vocab_size)
+    self.flops_per_token = flops_lib.model_flops_per_token(m)
+    self.peak = peak_flops(config, self.devices)
     self.train_iter = data_lib.make_train_iterator(
         self.corpus, seq_len=m.seq_len, global_batch=t.global_batch, seed=config.data.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
@@ -113,6 +116,10 @@ class Trainer:
     self.eval_batches = data_lib.make_eval_batches(
         self.corpus, seq_len=m.seq_len, batch_size=t.global_batch, num_batches=t.eval_batches,
         process_index=jax.process_index(), process_count=jax.process_count())
+    self.resume_step = self.checkpointer.latest_step()
+    if self.resume_step is not None:
+      self.checkpointer.check_compatible(self.resume_step, config)
+      self.train_iter.set_state(self.checkpointer.restore_data_state(self.resume_step))
     self._train_step = jax.jit(self._step, donate_argnums=0,
                                out_shardings=(self.state_shardings, None))
     self._eval_loss = jax.jit(lambda params, batch: loss_fn(params, self.graphdef, batch))
@@ -132,14 +139,16 @@ class Trainer:
       return jax.jit(self._fresh_state, out_shardings=self.state_shardings)()
 
   def restore_or_init(self):
-    """(state, start step): the latest checkpoint in the workdir, or a fresh state."""
-    step = self.checkpointer.latest_step()
+    """(state, start step): the latest checkpoint in the workdir, or a fresh state.
+
+    The data iterator was already moved to the checkpoint's position in the constructor.
+    """
+    step = self.resume_step
     if step is None:
       return self.init_state(), 0
     with jax.set_mesh(self.mesh):
       target = abstract_like(jax.eval_shape(self._fresh_state), self.state_shardings)
-    state, data_state = self.checkpointer.restore(step, target)
-    self.train_iter.set_state(data_state)
+    state = self.checkpointer.restore(step, target)
     log.info("resumed from %s at step %d", self.checkpointer.directory, step)
     return state, int(step)
 
@@ -179,16 +188,15 @@ class Trainer:
     is_main = jax.process_index() == 0
     os.makedirs(self.workdir, exist_ok=True)
     state, start = self.restore_or_init()
-    peak = peak_flops(cfg, self.devices)
-    tokens_per_step = t.global_batch * cfg.model.seq_len
+    peak = self.peak
     writer = _MetricsWriter(self.workdir, enabled=is_main)
     compile_start = time.perf_counter()
     with jax.set_mesh(self.mesh):
       first = self.device_batch(next(self.train_iter))
-      self._train_step = self._train_step.lower(state, first).compile()
+      train_step = self._train_step.lower(state, first).compile()
     compile_s = time.perf_counter() - compile_start
     log.info("compiled the train step in %.1f s", compile_s)
-    history, intervals = [], []
+    history, timed = [], []   # timed: (steps, seconds) of each logged interval
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=(None if is_main else True) if self.show_progress is None
                else not self.show_progress)
@@ -197,48 +205,62 @@ class Trainer:
     for step in range(start, end):
       batch = pending if pending is not None else self.device_batch(next(self.train_iter))
       pending = None
-      state, metrics = self._train_step(state, batch)
+      state, metrics = train_step(state, batch)
       interval_steps += 1
       done = step + 1
-      if done % t.log_every == 0 or done == end:
-        metrics = jax.device_get(metrics)
-        elapsed = time.perf_counter() - interval_start
-        tokens_per_s = interval_steps * tokens_per_step / elapsed
-        record = {"step": done, "loss": float(metrics["loss"]),
-                  "grad_norm": float(metrics["grad_norm"]),
-                  "learning_rate": float(metrics["learning_rate"]),
-                  "step_time_s": elapsed / interval_steps, "tokens_per_s": tokens_per_s,
-                  "mfu": tokens_per_s * self.flops_per_token / peak.flops}
-        if done % t.eval_every == 0 or done == t.steps:
-          record["eval_loss"] = self.evaluate(state["params"])
+      if done % t.log_every == 0 or done == end or done == start + 1:
+        record = self._log(state, metrics, done, interval_steps, interval_start, peak.flops)
         history.append(record)
-        intervals.append(tokens_per_s)
+        timed.append((interval_steps, interval_steps * record["step_time_s"]))
         writer.write(record)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
                         mfu=f"{100 * record['mfu']:.2f}%")
         if is_main:
           bar.write(_format_record(record, t.steps))
+        interval_steps = 0
       if done % t.checkpoint_every == 0 or done == end:
-        self.checkpointer.save(done, state, self.train_iter.get_state(), cfg.model)
-      if interval_steps == 0 or done % t.log_every == 0:
-        # Throughput counts train steps only: evaluation and checkpoint saves are excluded.
-        interval_start, interval_steps = time.perf_counter(), 0
+        self.checkpointer.save(done, state, self.train_iter.get_state(), cfg)
+      if interval_steps == 0:
+        # Evaluation and checkpoint saves fall on logged steps (validate() ensures it), so
+        # restarting the clock here keeps them out of the throughput.
+        interval_start = time.perf_counter()
       bar.update(1)
     bar.close()
-    self.checkpointer.wait()
+    self.checkpointer.close()
     writer.close()
     self.train_iter.close()
-    summary = self._summary(history, intervals, peak, compile_s, start)
+    summary = self._summary(history, timed, compile_s, start)
     if is_main:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     self.final_state = state
     return summary
 
-  def _summary(self, history, intervals, peak: Peak, compile_s: float, start: int) -> dict:
-    # The first interval includes warm-up effects after compilation; average the rest.
-    steady = intervals[1:] or intervals
-    mean_tps = float(np.mean(steady)) if steady else 0.0
+  def _log(self, state, metrics, step: int, steps: int, since: float, peak: float) -> dict:
+    """The record of one logged step: metrics of `step`, throughput of the `steps` since `since`.
+
+    Fetching the metrics waits for the step to finish, so the interval is timed after it.
+    """
+    metrics = jax.device_get(metrics)
+    elapsed = time.perf_counter() - since
+    tokens_per_s = steps * self.config.train.global_batch * self.config.model.seq_len / elapsed
+    record = {"step": step, "loss": float(metrics["loss"]),
+              "grad_norm": float(metrics["grad_norm"]),
+              "learning_rate": float(metrics["learning_rate"]),
+              "step_time_s": elapsed / steps, "tokens_per_s": tokens_per_s,
+              "mfu": tokens_per_s * self.flops_per_token / peak}
+    t = self.config.train
+    if step % t.eval_every == 0 or step == t.steps:
+      record["eval_loss"] = self.evaluate(state["params"])
+    return record
+
+  def _summary(self, history, timed, compile_s: float, start: int) -> dict:
+    # The first logged interval (one step, right after compilation) is warm-up: leave it out.
+    steady = timed[1:] or timed
+    tokens_per_step = self.config.train.global_batch * self.config.model.seq_len
+    mean_tps = (sum(n for n, _ in steady) * tokens_per_step / sum(t for _, t in steady)
+                if steady else 0.0)
+    peak = self.peak
     evals = [r["eval_loss"] for r in history if "eval_loss" in r]
     return {
         "config": self.config.name,
@@ -252,7 +274,8 @@ class Trainer:
         "last_eval_loss": evals[-1] if evals else None,
         "mean_tokens_per_s": mean_tps,
         "flops_per_token": self.flops_per_token,
-        "flops_formula": "Megatron-LM: 72 l h^2 (1 + s/(6h) + V/(16 l h)), no recomputation",
+        "flops_formula": "Megatron-LM: 72 l h^2 (1 + s/(6h) + V/(16 l h)), no recomputation "
+                         "(mscale_jax.flops.model_flops_per_token)",
         "mfu": mean_tps * self.flops_per_token / peak.flops,
         "peak_flops": peak.flops,
         "peak_source": peak.source,

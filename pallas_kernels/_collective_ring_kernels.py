@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._platform import out_struct
+
 # Barrier semaphores are keyed by this id; both kernels talk to the same neighbours on the
 # same axis with balanced signal/wait counts, so they may share it.
 _COLLECTIVE_ID = 7
@@ -163,22 +165,6 @@ def _matmul_reduce_scatter_kernel(index_ref, x_ref, w_ref, y_ref, *scratch, axis
         y_ref[pl.ds(ring.offset, size), :] = partial.astype(y_ref.dtype)
 
 
-def _out_struct(shape, dtype, like):
-  """A ShapeDtypeStruct that varies over the same manual mesh axes as `like`.
-
-  Under `shard_map(check_vma=True)` pallas_call needs to know how its outputs vary; the field
-  is `manual_axis_type` in JAX 0.10 and was `vma` before, so both spellings are tried.
-  """
-  aval = jax.typeof(like)
-  for field in ("manual_axis_type", "vma"):
-    if getattr(aval, field, None) is not None:
-      try:
-        return jax.ShapeDtypeStruct(shape, dtype, **{field: getattr(aval, field)})
-      except TypeError:
-        continue
-  return jax.ShapeDtypeStruct(shape, dtype)
-
-
 def _ring_index(axis_name):
   return jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
 
@@ -205,9 +191,9 @@ def all_gather_matmul_pallas(x, w, *, axis_name, num_devices, bidirectional, sav
   rings = 2 if bidirectional else 1
   buffers = [pltpu.VMEM((2, rows, k), x.dtype) for _ in range(rings)]
   scratch = buffers + [pltpu.SemaphoreType.DMA((rings, 2)), pltpu.SemaphoreType.DMA((rings, 2))]
-  out_shape = [_out_struct((p * m, n), x.dtype, x)]
+  out_shape = [out_struct((p * m, n), x.dtype, x)]
   if save_gathered:
-    out_shape.append(_out_struct((p * m, k), x.dtype, x))
+    out_shape.append(out_struct((p * m, k), x.dtype, x))
   kernel = functools.partial(_all_gather_matmul_kernel, axis_name=axis_name, num_devices=p,
                              bidirectional=bidirectional, save_gathered=save_gathered)
   name = "all_gather_matmul_bidi" if bidirectional else "all_gather_matmul"
@@ -232,7 +218,7 @@ def matmul_reduce_scatter_pallas(x, w, *, axis_name, num_devices, bidirectional,
                              num_devices=p, bidirectional=bidirectional)
   name = "matmul_reduce_scatter_bidi" if bidirectional else "matmul_reduce_scatter"
   return pl.pallas_call(
-      kernel, out_shape=_out_struct((mb, n), x.dtype, x),
+      kernel, out_shape=out_struct((mb, n), x.dtype, x),
       in_specs=[_smem_spec(), _vmem_spec(), _vmem_spec()], out_specs=_vmem_spec(),
       scratch_shapes=scratch, compiler_params=_compiler_params(), interpret=interpret, name=name,
   )(_ring_index(axis_name), x, w)

@@ -9,12 +9,13 @@ whole, and a `fori_loop` walks only the blocks of it that the causal/window mask
 """
 import dataclasses
 import functools
-import inspect
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from pallas_kernels._platform import out_struct
 
 # Finite, so a row whose first visited block is wholly masked gives exp(0) garbage that the
 # next real block rescales by exp(MASK - m) = 0, instead of exp(-inf + inf) = NaN.
@@ -282,23 +283,6 @@ def _stat_spec(cfg, rows, seq_blocked):
   return pl.BlockSpec((sq, sq, rows), lambda b, h, i: (b, h, 0))
 
 
-_STRUCT_PARAMS = inspect.signature(jax.ShapeDtypeStruct).parameters
-
-
-def _out_struct(shape, dtype, like):
-  """ShapeDtypeStruct that varies over the same shard_map axes as `like`.
-
-  Inside `jax.shard_map(check_vma=True)` a pallas_call must say how its outputs vary; the
-  keyword is `manual_axis_type` in JAX 0.10 and `vma` in earlier releases.
-  """
-  aval = jax.typeof(like)
-  if "manual_axis_type" in _STRUCT_PARAMS and hasattr(aval, "manual_axis_type"):
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
-  if "vma" in _STRUCT_PARAMS and hasattr(aval, "vma"):
-    return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
-  return jax.ShapeDtypeStruct(shape, dtype)
-
-
 def _stat_shape(cfg, batch, heads, seq_len):
   if cfg.backend == "mosaic":
     return (batch, heads, seq_len, 1)
@@ -345,8 +329,8 @@ def forward(q, k, v, cfg: KernelConfig):
   o, lse = _call(
       functools.partial(_fwd_kernel, cfg=cfg, seq_len=seq_len), cfg, grid,
       [q_spec, kv_spec, kv_spec], [q_spec, _stat_spec(cfg, cfg.block_q, True)],
-      [_out_struct(kq.shape, q.dtype, q),
-       _out_struct(_stat_shape(cfg, batch, heads, seq_len), jnp.float32, q)],
+      [out_struct(kq.shape, q.dtype, q),
+       out_struct(_stat_shape(cfg, batch, heads, seq_len), jnp.float32, q)],
       "flash_attention_fwd")(kq, kk, kv)
   (o,) = _from_kernel_layout(cfg, o)
   return o, lse
@@ -368,7 +352,7 @@ def backward(q, k, v, o, lse, do, cfg: KernelConfig):
       (batch, heads, seq_len // cfg.block_q),
       [q_rows, whole, whole, q_rows, _stat_spec(cfg, cfg.block_q, True),
        _stat_spec(cfg, cfg.block_q, True)],
-      q_rows, _out_struct(kq.shape, q.dtype, q),
+      q_rows, out_struct(kq.shape, q.dtype, q),
       "flash_attention_dq")(kq, kk, kv, kdo, lse, delta)
   dk, dv = _call(
       functools.partial(_dkv_kernel, cfg=cfg, seq_len=seq_len), cfg,
@@ -376,6 +360,6 @@ def backward(q, k, v, o, lse, do, cfg: KernelConfig):
       [whole, k_rows, k_rows, whole, _stat_spec(cfg, seq_len, False),
        _stat_spec(cfg, seq_len, False)],
       [k_rows, k_rows],
-      [_out_struct(kk.shape, k.dtype, k), _out_struct(kv.shape, v.dtype, v)],
+      [out_struct(kk.shape, k.dtype, k), out_struct(kv.shape, v.dtype, v)],
       "flash_attention_dkv")(kq, kk, kv, kdo, lse, delta)
   return _from_kernel_layout(cfg, dq, dk, dv)

@@ -47,7 +47,6 @@ all-gathers over them around the ring's dynamic slices (16 such all-gathers in a
 forward+backward TP layer with 'ppermute' vs 0 with 'data' manual).
 """
 import functools
-import logging
 from typing import Any, NamedTuple
 
 import jax
@@ -55,11 +54,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import _collective_ppermute as ring_jax
 from pallas_kernels import _collective_ring_kernels as ring_pallas
+from pallas_kernels._platform import platform_of, resolve_interpret, varying_axes
 
 IMPLS = ("xla", "ppermute", "pallas")
-
-_logger = logging.getLogger(__name__)
-_logged_paths = set()
 
 
 class _Static(NamedTuple):
@@ -126,43 +123,27 @@ def _check(fn_name, x, w, p, impl, bidirectional, interpret):
                        f"128-lane tile; got w {w.shape}")
 
 
-def _resolve_interpret(fn_name, impl, interpret):
-  """False (native Mosaic) on TPU, TPU interpreter on CPU; `interpret` overrides."""
+def _resolve_interpret(fn_name, impl, interpret, x):
+  """False (native Mosaic) on TPU, TPU interpreter on CPU; `interpret` overrides.
+
+  The kernel is TPU-only: GPU is refused, and so is interpret=True (the generic interpreter
+  cannot simulate remote DMAs). interpret=False asks for Mosaic on any platform, so the
+  kernel can be lowered for TPU from another machine.
+  """
   if impl != "pallas":
     return None
   if interpret is True:
     raise ValueError(
         f"{fn_name}: interpret=True is the generic Pallas interpreter, which cannot simulate "
         f"remote DMAs; pass interpret=pltpu.InterpretParams() (the TPU interpreter)")
-  if interpret is None:
-    # Arrays inside shard_map are tracers: the platform comes from the mesh's devices.
-    platform = (getattr(jax.sharding.get_abstract_mesh(), "platform", None) or
-                jax.default_backend())
-    if platform == "tpu":
-      interpret = False
-    elif platform == "cpu":
-      from jax.experimental.pallas import tpu as pltpu
-      interpret = pltpu.InterpretParams()
-    else:
-      raise ValueError(
-          f"{fn_name}: impl='pallas' is a TPU kernel and the backend is {platform!r}; use "
-          f"impl='ppermute' (or 'xla') here, or pass interpret=pltpu.InterpretParams() to "
-          f"simulate it")
-  path = (fn_name, "native" if interpret is False else "interpret")
-  if path not in _logged_paths:
-    _logged_paths.add(path)
-    _logger.info("%s: impl='pallas' runs %s", fn_name,
-                 "natively (Mosaic TPU)" if interpret is False else "in the TPU interpreter")
+  platform = "tpu" if interpret is False else platform_of(x)
+  backend, interpret = resolve_interpret(fn_name, interpret, platform, tpu_style=True)
+  if backend == "gpu":
+    raise ValueError(
+        f"{fn_name}: impl='pallas' is a TPU kernel and the backend is {platform!r}; use "
+        f"impl='ppermute' (or 'xla') here, or pass interpret=pltpu.InterpretParams() to "
+        f"simulate it")
   return interpret
-
-
-def _varying_axes(a):
-  """Manual mesh axes `a` varies over (empty when shard_map runs with check_vma=False)."""
-  aval = jax.typeof(a)
-  axes = getattr(aval, "vma", None)
-  if axes is None:
-    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-  return frozenset(axes or ())
 
 
 def _like(grad, primal):
@@ -172,10 +153,10 @@ def _like(grad, primal):
   'data' while x is batch-sharded there) is summed over them; one that varies over fewer is
   marked varying. With check_vma=False nothing is tracked and nothing changes.
   """
-  extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal), key=str))
+  extra = tuple(sorted(varying_axes(grad) - varying_axes(primal), key=str))
   if extra:
     grad = jax.lax.psum(grad, extra)
-  missing = tuple(sorted(_varying_axes(primal) - _varying_axes(grad), key=str))
+  missing = tuple(sorted(varying_axes(primal) - varying_axes(grad), key=str))
   if missing:
     grad = jax.lax.pcast(grad, missing, to="varying")
   return grad
@@ -298,7 +279,7 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, *, axis_name, impl: str = "pal
   `pltpu.InterpretParams(...)` = TPU interpreter (the CPU default). Differentiable.
   """
   p = _axis_size("all_gather_matmul", axis_name)
-  interpret = _resolve_interpret("all_gather_matmul", impl, interpret) if impl == "pallas" \
+  interpret = _resolve_interpret("all_gather_matmul", impl, interpret, x) if impl == "pallas" \
       else None
   _check("all_gather_matmul", x, w, p, impl, bidirectional, interpret)
   if impl == "pallas":
@@ -317,7 +298,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name, impl: str = 
   accumulated in float32 on each device. Differentiable.
   """
   p = _axis_size("matmul_reduce_scatter", axis_name)
-  interpret = _resolve_interpret("matmul_reduce_scatter", impl, interpret) \
+  interpret = _resolve_interpret("matmul_reduce_scatter", impl, interpret, x) \
       if impl == "pallas" else None
   _check("matmul_reduce_scatter", x, w, p, impl, bidirectional, interpret)
   if impl == "pallas":

@@ -32,16 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _flash_kernels as _k
-
-try:
-  from mscale_jax.errors import ConfigError
-except ImportError:  # the kernels stay usable without the library
-  class ConfigError(ValueError):
-    """Bad argument: names the field, the value and what would be valid."""
-
-    def __init__(self, field, value, valid):
-      self.field, self.value, self.valid = field, value, valid
-      super().__init__(f"{field}={value!r} is invalid: {valid}")
+from pallas_kernels._platform import ConfigError, platform_of, resolve_interpret
 
 __all__ = ["flash_attention", "reference_attention", "attention_mask", "visited_blocks",
            "ConfigError"]
@@ -55,28 +46,13 @@ _DEFAULT_BLOCKS = {"triton": (128, 64), "mosaic": (128, 128), "interpret": (128,
 _DEFAULT_BWD_BLOCKS = {"triton": (64, 64)}
 
 
-def _platform_of(x) -> str:
-  """Platform of a concrete array, or the default backend's for tracers."""
-  try:
-    return next(iter(x.devices())).platform
-  except Exception:  # pylint: disable=broad-except  (tracers have no devices)
-    return jax.default_backend()
+_BACKEND_NAMES = {"gpu": "triton", "tpu": "mosaic", "interpret": "interpret"}
 
 
 def _resolve_backend(q, interpret):
   """('triton' | 'mosaic' | 'interpret', interpret_params) for this call."""
-  if interpret is not None and interpret is not False:
-    return "interpret", interpret
-  platform = _platform_of(q)
-  if platform in ("gpu", "cuda", "rocm"):
-    return "triton", True
-  if platform == "tpu":
-    return "mosaic", True
-  if interpret is False:
-    raise ConfigError("interpret", False,
-                      f"platform {platform!r} has no compiled Pallas backend; use "
-                      "interpret=None or True")
-  return "interpret", True
+  backend, params = resolve_interpret("flash_attention", interpret, platform_of(q))
+  return _BACKEND_NAMES[backend], params if backend == "interpret" else True
 
 
 def _is_pow2(n: int) -> bool:

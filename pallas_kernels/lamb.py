@@ -17,10 +17,9 @@ are per layer.
 Each tensor is viewed as rows of 128 lanes ([n/128, 128], free when 128 divides n; small tensors
 are zero-padded, which adds nothing to either norm). Rows past the end of the last block are
 masked. Backend: Triton on GPU, Mosaic on TPU, the Pallas interpreter on CPU (`interpret=True`
-forces it). Usable without mscale_jax.
+forces it, `interpret=False` refuses it). Usable without mscale_jax.
 """
 import functools
-import logging
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +28,7 @@ import optax
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
-logger = logging.getLogger("mscale_jax")
+from pallas_kernels._platform import platform_of, resolve_interpret
 
 LANES = 128
 # Rows of 128 lanes per grid step: GPU programs are small (registers), TPU blocks fill VMEM.
@@ -44,20 +43,8 @@ class FusedLambState(NamedTuple):
 
 
 def _backend(x, interpret) -> str:
-  """'gpu' | 'tpu' | 'interpret': from `interpret`, else the platform of `x` (a concrete array)
-  or, under tracing, JAX's default backend."""
-  if interpret:
-    return "interpret"
-  if interpret is None:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      platform = next(iter(x.devices())).platform
-    else:
-      platform = jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm"):
-      return "gpu"
-    if platform == "tpu":
-      return "tpu"
-  return "interpret"
+  """'gpu' | 'tpu' | 'interpret', from `interpret` and the platform of `x` (logged once)."""
+  return resolve_interpret("fused_lamb", interpret, platform_of(x))[0]
 
 
 def _as_rows(x, layers, rows):
@@ -220,8 +207,6 @@ def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_d
   `jax.shard_map` and its squared norms are summed over the mesh axes it is sharded on; without
   this, a sharded parameter would be gathered onto every device.
   """
-  logged = []
-
   def init_fn(params):
     zeros = lambda p: jnp.zeros_like(p)
     return FusedLambState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
@@ -243,9 +228,6 @@ def fused_lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_d
     g_leaves, treedef = jax.tree.flatten(updates)
     m_leaves, v_leaves = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
     p_leaves = jax.tree.leaves(params)
-    if not logged and p_leaves:
-      logger.info("fused_lamb: %s backend", _backend(p_leaves[0], interpret))
-      logged.append(True)
     new_m, new_v, out = [], [], []
     for g, m, v, p, flag, stack, layout in zip(g_leaves, m_leaves, v_leaves, p_leaves, flags,
                                                stacks, layouts):

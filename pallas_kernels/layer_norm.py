@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._platform import platform_of, resolve_interpret
+
 logger = logging.getLogger("mscale_jax")
 
 _GPU_BLOCK_ELEMS = 4096        # elements one Triton program normalises at a time
@@ -32,7 +34,6 @@ _GPU_PROGRAMS = 256            # backward: at most this many programs, hence fp3
 _TPU_BLOCK_BYTES = 1 << 20     # one fp32 (rows, hidden) block in VMEM (several live at once)
 _INTERPRET_BLOCK_ELEMS = 1 << 16
 _INTERPRET_PROGRAMS = 2        # the interpreter also runs several programs and partials
-_LOGGED = set()                # (kernel, backend) pairs already logged at INFO
 
 
 # ------------------------------------------------------------------------------------------
@@ -79,18 +80,8 @@ class _Plan(NamedTuple):
 
 
 def _backend(x, interpret) -> str:
-  if interpret:
-    return "interpret"
-  if interpret is None:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      platform = next(iter(x.devices())).platform
-    else:
-      platform = jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm"):
-      return "gpu"
-    if platform == "tpu":
-      return "tpu"
-  return "interpret"
+  """'gpu' | 'tpu' | 'interpret' (logged once)."""
+  return resolve_interpret("layer_norm", interpret, platform_of(x))[0]
 
 
 def _plan(center, eps, backend, rows, hidden, dtypes, block_rows=None) -> _Plan:
@@ -295,9 +286,6 @@ def _norm(x, scale, bias, eps, residual, interpret, block_rows, center):
   dtypes = (jnp.dtype(x.dtype).name, None if residual is None else jnp.dtype(residual.dtype).name)
   plan = _plan(center, float(eps), backend, rows, hidden, dtypes, block_rows)
   name = "layer_norm" if center else "rms_norm"
-  if (name, backend) not in _LOGGED:
-    _LOGGED.add((name, backend))
-    logger.info("%s: Pallas %s backend", name, backend)
   logger.debug("%s plan: %s", name, plan)
   flat = lambda a: None if a is None else a.reshape(rows, hidden)
   y, h = _fused(plan, flat(x), flat(residual), scale, bias)
@@ -312,7 +300,8 @@ def layer_norm(x, scale, bias, *, eps=1e-5, residual=None, interpret=None, block
     x: [..., hidden], any float dtype; statistics are computed in fp32.
     scale, bias: [hidden].
     residual: optional [..., hidden]; then h = x + residual is formed in the same pass.
-    interpret: None picks the backend from x's platform; True forces the Pallas interpreter.
+    interpret: None picks the backend from x's platform; True forces the Pallas interpreter;
+      False refuses it (ConfigError on CPU).
     block_rows: rows per block (default: chosen per backend).
 
   Returns:

@@ -1,10 +1,11 @@
-# Sourced by scripts/*.sh: create or refresh .venv from setup.cfg, then activate it.
+# Sourced by scripts/*.sh with VENV_EXTRAS set ("" or "test"): create or refresh .venv from
+# setup.cfg with those extras, then activate it.
 # The install is re-run whenever setup.cfg or pyproject.toml is newer than the last install,
 # so a dependency missing from setup.cfg fails loudly instead of hiding in a hand-made venv.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-EXTRAS="${1:-}"
+EXTRAS="${VENV_EXTRAS:-}"   # set by the caller: "" or "test"
 PY="${PYTHON:-python3}"
 STAMP=".venv/.installed${EXTRAS:+-$EXTRAS}"
 if [ ! -x .venv/bin/python ]; then

@@ -27,7 +27,7 @@ def tiny_config():
         optimizer=dict(warmup_steps=2),
         data=dict(kind="stdlib", prefetch=0),
         train=dict(steps=6, global_batch=4, log_every=2, eval_every=6, eval_batches=1,
-                   checkpoint_every=3, async_checkpoint=True))
+                   checkpoint_every=4, async_checkpoint=True))
     return base.replace(**sections)
 
   return make

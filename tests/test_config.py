@@ -238,3 +238,39 @@ def test_steps_must_exceed_warmup():
 def test_from_dict_rejects_a_section_that_is_not_a_dict():
   with pytest.raises(ConfigError, match="model=3"):
     Config.from_dict({"model": 3})
+
+
+def test_eval_and_checkpoint_fall_on_logged_steps():
+  _raises(Config().replace(train={"log_every": 10, "eval_every": 25}), 8,
+          "train.eval_every", 25, "train.log_every=10")
+  _raises(Config().replace(train={"log_every": 10, "eval_every": 50, "checkpoint_every": 15}),
+          8, "train.checkpoint_every", 15, "train.log_every=10")
+
+
+@pytest.mark.parametrize("field,value", [("b1", 1.0), ("b2", -0.1), ("eps", 0.0),
+                                         ("weight_decay", -1e-3), ("min_lr_ratio", 1.5)])
+def test_optimizer_hyperparameters_out_of_range(field, value):
+  _raises(Config().replace(optimizer={field: value}), 8, f"optimizer.{field}", value)
+
+
+def test_gpu_only_and_tpu_style_kernels_are_checked_per_platform():
+  validate(Config().replace(model={"tp_comm": "pallas"}, train={"global_batch": 8}), 1,
+           platform="cpu")
+  with pytest.raises(ConfigError, match="model.tp_comm='pallas'.*TPU-style"):
+    validate(Config().replace(model={"tp_comm": "pallas"}), 1, platform="gpu")
+  with pytest.raises(ConfigError, match="model.dtype='float32'.*bfloat16"):
+    validate(Config().replace(model={"attention_impl": "cudnn"}), 1, platform="gpu")
+  validate(Config().replace(model={"attention_impl": "cudnn", "dtype": "bfloat16"}), 1,
+           platform="gpu")
+
+
+def test_pallas_ring_needs_whole_row_tiles():
+  config = Config().replace(model={"tp_comm": "pallas", "seq_len": 12, "num_heads": 4},
+                            mesh={"data": 2, "tensor": 4}, train={"global_batch": 2})
+  _raises(config, 8, "model.tp_comm", "pallas", "multiple of 8")
+
+
+def test_dry_run_layers_must_divide_into_stages():
+  config = Config().replace(model={"num_layers": 5}, mesh={"data": 1, "stage": 2})
+  with pytest.raises(ConfigError, match="model.num_layers=5"):
+    validate(config, 2, allow_pipeline=True)

@@ -32,3 +32,19 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path):
   first = flops.measure_cpu_peak("float32", size=128, repeats=2, cache_path=str(cache))
   assert first > 1e6 and cache.exists()
   assert flops.measure_cpu_peak("float32", size=128, repeats=2, cache_path=str(cache)) == first
+
+
+def test_model_flops_equal_megatron_for_the_standard_shape_and_grow_with_swiglu():
+  from mscale_jax.config import ModelConfig
+  standard = ModelConfig(num_layers=96, hidden=12288, num_heads=96, mlp_dim=4 * 12288,
+                         seq_len=2048, vocab_size=64000)
+  assert flops.model_flops_per_token(standard) == pytest.approx(
+      flops.megatron_flops_per_token(96, 12288, 2048, 64000), rel=1e-12)
+  swiglu = ModelConfig(**{**standard.__dict__, "mlp_activation": "swiglu"})
+  # One more h x F projection per layer: 6 h F FLOPs per token per layer more.
+  assert flops.model_flops_per_token(swiglu) - flops.model_flops_per_token(standard) == \
+      pytest.approx(96 * 6 * 12288 * 4 * 12288, rel=1e-12)
+
+
+def test_h100_pcie_is_not_taken_for_sxm():
+  assert flops.known_peak("NVIDIA H100 PCIe", "bfloat16") == 756e12

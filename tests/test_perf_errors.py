@@ -60,6 +60,50 @@ def test_calibration_record_errors(tmp_path):
     calibrate.calibrated(constants.DEFAULT, str(path))
 
 
+def _gemm_record(path, device_kind):
+  rows = [{"m": s, "k": s, "n": s, "dtype": "bfloat16", "tflops": t, "peak_tflops": 989.0}
+          for s, t in ((1024, 400.0), (4096, 600.0), (8192, 650.0))]
+  path.write_text(json.dumps({"device": {"device_kind": device_kind}, "figures": rows}))
+  return str(path)
+
+
+def test_calibration_refuses_a_record_from_another_device(tmp_path):
+  path = _gemm_record(tmp_path / "h100.json", "NVIDIA H100 80GB HBM3")
+  with pytest.raises(ConfigError) as info:
+    calibrate.calibrated(constants.DEFAULT, path, A100)
+  assert "NVIDIA H100 80GB HBM3" in str(info.value) and "a100_megascale" in str(info.value)
+  forced, note = calibrate.calibrated(constants.DEFAULT, path, A100, allow_other_device=True)
+  assert "although measured on another device" in note
+  same, note = calibrate.calibrated(constants.DEFAULT, path, hardware.H100_DGX)
+  assert same == forced and "another device" not in note
+
+
+@pytest.mark.parametrize("hw,kind,ok", [
+    (A100, "NVIDIA A100-SXM4-80GB", True),
+    (hardware.H100_DGX, "NVIDIA H100 80GB HBM3", True),
+    (hardware.H100_DGX, "NVIDIA H100 PCIe", False),      # the PCIe card has a lower peak
+    (hardware.H100_DGX, "NVIDIA H800", False),
+    (hardware.H800_DGX, "NVIDIA H800", True),
+    (hardware.TPU_V5P, "TPU v5", True),
+    (hardware.TPU_V5P, "TPU v5 lite", False),
+    (A100, "cpu", False),
+])
+def test_hardware_presets_know_their_device_kind(hw, kind, ok):
+  assert hardware.models_device(hw, kind) == ok
+
+
+def test_cli_calibrate_any_device(tmp_path):
+  path = _gemm_record(tmp_path / "h100.json", "NVIDIA H100 80GB HBM3")
+  argv = ["-m", "experiments.scaling_curves", f"--calibrate={path}", f"--out_dir={tmp_path}"]
+  out = subprocess.run([sys.executable] + argv, cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 2 and "'NVIDIA H100 80GB HBM3'" in out.stderr
+  out = subprocess.run([sys.executable] + argv + ["--calibrate_any_device"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "--calibrate_any_device" in out.stdout and "another device" in out.stdout
+
+
 @pytest.mark.parametrize("argv", [
     ["-m", "experiments.scaling_curves", "--hardware=a200", "--out_dir=OUT"],
     ["-m", "experiments.plan", "--gpus=100"],

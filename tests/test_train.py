@@ -22,7 +22,8 @@ def metrics_of(workdir):
 def test_exact_resume_is_bitwise(tiny_config, tmp_path):
   """20 steps straight == 10 steps, a fresh process-like restart, 10 more: same bits, same data."""
   config = tiny_config(train=dict(steps=20, global_batch=4, log_every=5, eval_every=20,
-                                  checkpoint_every=10))
+                                  checkpoint_every=10),
+                       data=dict(kind="stdlib", prefetch=2))   # the default prefetching
   straight = Trainer(config, tmp_path / "straight", show_progress=False)
   straight.train()
 
@@ -59,6 +60,13 @@ def test_restore_into_a_different_mesh(tiny_config, tmp_path):
   assert w.sharding.mesh.shape["tensor"] == 2
   for x, y in zip(jax.tree.leaves(params_of(saved.final_state)), jax.tree.leaves(params_of(state))):
     np.testing.assert_array_equal(x, y)
+
+
+def test_resuming_with_another_optimizer_is_a_config_error(tiny_config, tmp_path):
+  Trainer(tiny_config(train=dict(steps=3)), tmp_path, show_progress=False).train()
+  with pytest.raises(ConfigError, match="optimizer.name='adamw'.*holds 'lamb' state"):
+    Trainer(tiny_config(optimizer=dict(name="adamw", warmup_steps=1), train=dict(steps=3)),
+            tmp_path, show_progress=False)
 
 
 def test_resuming_another_model_shape_is_a_config_error(tiny_config, tmp_path):

@@ -4,6 +4,8 @@ A record is what `python -m experiments.kernel_bench --kernel=gemm` writes: `fig
 rows with m, k, n, dtype and achieved tflops (and peak_tflops when the device's peak is known),
 `device` names the accelerator. The efficiency curve 1/eff = (1 + edge*(1/m+1/k+1/n)) / eff_max
 is linear in S = 1/m+1/k+1/n, so a least-squares line through (S, 1/eff) gives eff_max and edge.
+A curve measured on one accelerator says little about another, so calibrating a hardware preset
+with a record from a different device is refused unless asked for (`allow_other_device`).
 """
 import dataclasses
 import json
@@ -11,6 +13,7 @@ import json
 from mscale_jax.errors import ConfigError
 from mscale_jax.flops import known_peak
 from mscale_jax.perf.constants import Constants
+from mscale_jax.perf.hardware import Hardware, models_device
 
 
 def load_gemm_rows(path: str) -> tuple:
@@ -49,11 +52,27 @@ def fit_gemm_curve(rows: list) -> tuple:
   return 1.0 / a, b / a
 
 
-def calibrated(c: Constants, path: str) -> tuple:
-  """(constants with the measured GEMM curve, a note naming what changed and from where)."""
+def calibrated(c: Constants, path: str, hw: Hardware | None = None, *,
+               allow_other_device: bool = False) -> tuple:
+  """(constants with the measured GEMM curve, a note naming what changed and from where).
+
+  With `hw`, the record must come from the accelerator that preset models (ConfigError
+  otherwise) unless `allow_other_device`; the note then says the devices differ.
+  """
   rows, device = load_gemm_rows(path)
+  kind = device.get("device_kind", "?")
+  other = hw is not None and not models_device(hw, kind)
+  if other and not allow_other_device:
+    raise ConfigError(
+        "calibrate", path,
+        f"a record measured on the accelerator of hardware preset {hw.name!r} (device_kind "
+        f"containing {' or '.join(repr(k) for k in hw.device_kinds) or '?'}); this one has "
+        f"device_kind {kind!r}. Benchmark on that accelerator, pick the matching preset, or "
+        f"pass allow_other_device=True (--calibrate_any_device) to apply it anyway")
   eff_max, edge = fit_gemm_curve(rows)
   new = dataclasses.replace(c, gemm_eff_max=eff_max, gemm_edge=edge)
-  note = (f"GEMM curve from {len(rows)} rows measured on {device.get('device_kind', '?')}: "
+  note = (f"GEMM curve from {len(rows)} rows measured on {kind}: "
           f"eff_max {c.gemm_eff_max:.3f} -> {eff_max:.3f}, edge {c.gemm_edge:.1f} -> {edge:.1f}")
+  if other:
+    note += f" (applied to {hw.name} although measured on another device)"
   return new, note

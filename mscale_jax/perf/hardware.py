@@ -1,11 +1,13 @@
 """Accelerator and cluster descriptions: peaks, memory, links and a tiered Clos network.
 
 Numbers are data-sheet peaks; how much of a peak real kernels reach lives in `constants.py`,
-so one preset serves every efficiency assumption. Bandwidths are bytes/s in one direction.
+so one preset serves every efficiency assumption. Peak FLOP/s come from the one table in
+`mscale_jax.flops.PEAK_FLOPS`. Bandwidths are bytes/s in one direction.
 """
 import dataclasses
 
 from mscale_jax.errors import ConfigError
+from mscale_jax.flops import PEAK_FLOPS
 
 GB = 1e9
 GiB = 2.0 ** 30
@@ -33,6 +35,7 @@ class Hardware:
   nics_per_node: int
   nic_bw: float                   # per NIC, one direction, bytes/s
   tiers: tuple                    # NetworkTier, innermost first
+  device_kinds: tuple = ()        # lower-case pieces of the JAX device_kind this preset models
 
   def peak(self, dtype: str = "bfloat16") -> float:
     """Dense peak FLOP/s in `dtype`."""
@@ -58,7 +61,7 @@ class Hardware:
 # The paper's cluster (MegaScale section 2 / Table 1; NVIDIA A100 SXM4 80GB data sheet).
 A100_MEGASCALE = Hardware(
     name="a100_megascale",
-    peak_flops={"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+    peak_flops=PEAK_FLOPS["a100"],
     hbm_bw=2039 * GB,             # A100 SXM4 80GB: 2,039 GB/s (the 40GB part has 1,555 GB/s)
     hbm_bytes=80 * GiB,           # 80 GB HBM2e (CUDA reports 81,920 MiB)
     num_sms=108,
@@ -73,18 +76,20 @@ A100_MEGASCALE = Hardware(
     # the cluster. Latencies: NCCL's inter-node base latency plus ~1 us per extra switch hop.
     tiers=(NetworkTier("tor", 512, 15e-6), NetworkTier("aggregation", 4096, 17e-6),
            NetworkTier("spine", 1 << 20, 19e-6)),
+    device_kinds=("a100",),
 )
 
 # NVIDIA H100 SXM5 data sheet; DGX H100: 8 x 400 Gb/s ConnectX-7 compute NICs.
 H100_DGX = dataclasses.replace(
     A100_MEGASCALE, name="h100_dgx",
-    peak_flops={"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12},
+    peak_flops=PEAK_FLOPS["h100"],  # SXM; the PCIe card ('h100 pcie') is slower
     hbm_bw=3350 * GB, hbm_bytes=80 * GiB, num_sms=132,
     intra_node_bw=450 * GB,       # NVLink 4: 18 links, 900 GB/s bidirectional
-    nic_bw=400e9 / 8)
+    nic_bw=400e9 / 8, device_kinds=("h100",))
 
 # H800: the H100 with NVLink cut to 400 GB/s bidirectional (export variant), same compute.
-H800_DGX = dataclasses.replace(H100_DGX, name="h800_dgx", intra_node_bw=200 * GB)
+H800_DGX = dataclasses.replace(H100_DGX, name="h800_dgx", intra_node_bw=200 * GB,
+                               device_kinds=("h800",))
 
 # TPU v5p (Google Cloud TPU docs): 459 TFLOP/s bf16, 95 GB HBM at 2,765 GB/s, ICI 4,800 Gb/s
 # per chip. The 3D torus is approximated as a 'node' of one 4x4x4 cube (64 chips) with ICI at
@@ -92,16 +97,29 @@ H800_DGX = dataclasses.replace(H100_DGX, name="h800_dgx", intra_node_bw=200 * GB
 # per chip; a torus is not a Clos, so treat cross-cube numbers as rough.
 TPU_V5P = Hardware(
     name="tpu_v5p",
-    peak_flops={"bfloat16": 459e12, "float32": 459e12 / 4},
+    peak_flops=PEAK_FLOPS["tpu v5p"],
     # ICI collectives run on DMA engines, not on the TensorCores: num_sms is set so that
     # overlapped communication takes a negligible share of compute.
     hbm_bw=2765 * GB, hbm_bytes=95 * GB, num_sms=1 << 12,
     devices_per_node=64, intra_node_bw=300 * GB, intra_node_latency_s=5e-6,
     nics_per_node=64, nic_bw=200e9 / 8,
     tiers=(NetworkTier("dcn", 1 << 20, 25e-6),),
+    device_kinds=("tpu v5p", "tpu v5"),   # v5p reports 'TPU v5'
 )
 
 PRESETS = {hw.name: hw for hw in (A100_MEGASCALE, H100_DGX, H800_DGX, TPU_V5P)}
+
+
+def models_device(hw: Hardware, device_kind: str) -> bool:
+  """Whether a JAX `device_kind` (as a benchmark record names it) is the accelerator `hw` models.
+
+  The longest known name found in the kind decides, so 'NVIDIA H100 PCIe' ('h100 pcie') is
+  not the SXM preset's 'h100', nor 'TPU v5 lite' the v5p's 'tpu v5'.
+  """
+  kind = device_kind.lower()
+  known = set(PEAK_FLOPS).union(*(p.device_kinds for p in PRESETS.values()), hw.device_kinds)
+  found = [name for name in known if name in kind]
+  return bool(found) and max(found, key=lambda name: (len(name), name)) in hw.device_kinds
 
 
 def get_hardware(name: str) -> Hardware:
