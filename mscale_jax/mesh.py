@@ -67,7 +67,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 def logical_names(abstract_state):
   """Pure dict of each Variable's logical names, from an `nnx.State` with sharding metadata."""
   from flax import nnx
-  return nnx.get_partition_spec(abstract_state).to_pure_dict()
+  return nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
 
 
 def shardings_for(mesh: Mesh, names_tree):

@@ -34,7 +34,7 @@ def abstract_model(config: ModelConfig):
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model, nnx.Param)
-  return graphdef, params.to_pure_dict(), mesh_lib.logical_names(params)
+  return graphdef, nnx.to_pure_dict(params), mesh_lib.logical_names(params)
 
 
 def loss_fn(params, graphdef, batch) -> jax.Array:
@@ -129,7 +129,7 @@ class Trainer:
   def _fresh_state(self):
     with nnx.use_eager_sharding(False):
       model = GPT(self.config.model, rngs=nnx.Rngs(self.config.train.seed))
-    params = nnx.state(model, nnx.Param).to_pure_dict()
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "opt_state": self.tx.init(params)}
 
@@ -158,7 +158,7 @@ class Trainer:
     loss, grads = jax.value_and_grad(loss_fn)(state["params"], self.graphdef, batch)
     updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "learning_rate": self.schedule(state["step"])}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 

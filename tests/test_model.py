@@ -23,7 +23,7 @@ def init_params(config: ModelConfig, mesh, seed=0):
 
   def init():
     with nnx.use_eager_sharding(False):
-      return nnx.state(GPT(config, rngs=nnx.Rngs(seed)), nnx.Param).to_pure_dict()
+      return nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(seed)), nnx.Param))
 
   with jax.set_mesh(mesh):
     return graphdef, jax.jit(init, out_shardings=shardings)()
@@ -118,7 +118,7 @@ def test_parallel_block_is_x_plus_attn_plus_mlp():
   with jax.set_mesh(mesh):
     got = np.asarray(jax.jit(lambda x: block(x))(x))
 
-  p = jax.tree.map(np.asarray, nnx.state(block, nnx.Param).to_pure_dict())
+  p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(block, nnx.Param)))
   h = _layer_norm(x, p["norm"]["scale"], p["norm"]["offset"])
   qkv = (h @ p["attn"]["w_qkv"] + p["attn"]["b_qkv"]).reshape(2, c.seq_len, c.num_heads, 3, -1)
   attn = naive_window_attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :], window=3)
