@@ -158,6 +158,17 @@ def _dot(a, b, contract_a, contract_b):
                          preferred_element_type=jnp.float32)
 
 
+def _key_block_scores(q, k_ref, v_ref, k_start, q_start, cfg: KernelConfig, masked: bool):
+  """Base-2 scaled scores [bq, bk] of a query block against the key block at `k_start`,
+  masked where the tile straddles the mask edge; also returns that block's keys and values."""
+  k = k_ref[pl.ds(k_start, cfg.block_k), :]
+  v = v_ref[pl.ds(k_start, cfg.block_k), :]
+  s = _dot(q, k, 1, 1) * (cfg.sm_scale * LOG2E)
+  if masked:
+    s = _apply_mask(s, q_start, k_start, cfg)
+  return s, k, v
+
+
 def _load_col(ref, rows=None):
   """A float32 statistic as a [rows, 1] column, from a [S] (GPU) or [S, 1] (TPU) ref."""
   if ref.ndim == 2:
@@ -179,11 +190,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: KernelConfig, seq_l
   def body(jk, carry, masked):
     m, l, acc = carry   # running max [bq, 1], running sum [bq, 1], output [bq, D]; float32
     start = pl.multiple_of(jk * bk, bk)
-    k = k_ref[pl.ds(start, bk), :]
-    v = v_ref[pl.ds(start, bk), :]
-    s = _dot(q, k, 1, 1) * (cfg.sm_scale * LOG2E)
-    if masked:
-      s = _apply_mask(s, iq * bq, start, cfg)
+    s, k, v = _key_block_scores(q, k_ref, v_ref, start, iq * bq, cfg, masked)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new)
@@ -211,11 +218,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
 
   def body(jk, dq, masked):
     start = pl.multiple_of(jk * bk, bk)
-    k = k_ref[pl.ds(start, bk), :]
-    v = v_ref[pl.ds(start, bk), :]
-    s = _dot(q, k, 1, 1) * (cfg.sm_scale * LOG2E)
-    if masked:
-      s = _apply_mask(s, iq * bq, start, cfg)
+    s, k, v = _key_block_scores(q, k_ref, v_ref, start, iq * bq, cfg, masked)
     p = jnp.exp2(s - lse)
     dp = _dot(do, v, 1, 1)
     ds = p * (dp - delta)
