@@ -10,7 +10,6 @@ whole, and a `fori_loop` walks only the blocks of it that the causal/window mask
 import dataclasses
 import functools
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

@@ -1,5 +1,4 @@
 """Every notebook in notebooks/ runs top to bottom at its tiny CPU size, as CI runs it."""
-import os
 import pathlib
 
 import nbclient
