@@ -188,7 +188,6 @@ class Trainer:
     is_main = jax.process_index() == 0
     os.makedirs(self.workdir, exist_ok=True)
     state, start = self.restore_or_init()
-    peak = self.peak
     writer = _MetricsWriter(self.workdir, enabled=is_main)
     compile_start = time.perf_counter()
     with jax.set_mesh(self.mesh):
@@ -200,16 +199,16 @@ class Trainer:
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=(None if is_main else True) if self.show_progress is None
                else not self.show_progress)
-    pending, interval_start, interval_steps = first, time.perf_counter(), 0
+    interval_start, interval_steps = time.perf_counter(), 0
     end = t.steps if stop_at is None else min(stop_at, t.steps)
     for step in range(start, end):
-      batch = pending if pending is not None else self.device_batch(next(self.train_iter))
-      pending = None
+      # The batch the step was compiled with is the first step's batch.
+      batch = first if step == start else self.device_batch(next(self.train_iter))
       state, metrics = train_step(state, batch)
       interval_steps += 1
       done = step + 1
       if done % t.log_every == 0 or done == end or done == start + 1:
-        record = self._log(state, metrics, done, interval_steps, interval_start, peak.flops)
+        record = self._log(state, metrics, done, interval_steps, interval_start, self.peak.flops)
         history.append(record)
         timed.append((interval_steps, interval_steps * record["step_time_s"]))
         writer.write(record)
