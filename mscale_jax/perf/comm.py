@@ -2,13 +2,15 @@
 
 A group is `size` ranks `stride` apart in the global rank order. If all of it sits inside one node
 it uses the intra-node links (NVLink); otherwise each rank's share of the node's NICs, on the
-innermost network tier that reaches the whole group. Sizes are the full (gathered) buffer.
+innermost network tier that reaches the whole group, derated by ECMP collisions on each tier
+above the first (`scale.tier_bandwidth_share`). Sizes are the full (gathered) buffer.
 """
 import dataclasses
 import math
 
 from mscale_jax.perf.constants import Constants
 from mscale_jax.perf.hardware import Hardware
+from mscale_jax.perf.scale import tier_bandwidth_share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +27,8 @@ def group_link(hw: Hardware, size: int, stride: int, c: Constants) -> Link:
   tier = hw.tier_for_span(span)
   if tier is None:
     return Link(hw.intra_node_bw * c.nvlink_eff, hw.intra_node_latency_s, "node")
-  return Link(hw.net_bw_per_device * c.net_eff, tier.latency_s, tier.name)
+  share = tier_bandwidth_share(hw, tier.name, c)
+  return Link(hw.net_bw_per_device * c.net_eff * share, tier.latency_s, tier.name)
 
 
 def sm_share(hw: Hardware, c: Constants) -> float:

@@ -3,20 +3,22 @@
 The pipeline runs in lock-step at the pace of its slowest stage (the last one, which also holds
 the LM head): `m` micro-batches of steady state plus the interleaved bubble of (pp-1)/vpp
 micro-batch times. Around it: the exposed part of the data-parallel collectives, the optimizer
-update and host work (data loading) on the critical path.
+update and host work (data loading) on the critical path. Then what grows with the number of
+ranks (`scale.py`): the lock-step pipeline waits for its slowest rank, and the exposed DP
+collectives for the last rank to launch them.
 """
 import dataclasses
 
 from mscale_jax.errors import ConfigError
 from mscale_jax.flops import megatron_flops_per_token, mfu
-from mscale_jax.perf import comm, compute, layer
+from mscale_jax.perf import comm, compute, layer, scale
 from mscale_jax.perf.constants import DEFAULT, Constants
 from mscale_jax.perf.hardware import Hardware
 from mscale_jax.perf.memory import RECOMPUTES, Memory, memory_per_device, params_per_device
 from mscale_jax.perf.workload import Layout, ModelSpec, Techniques, validate
 
 BREAKDOWN_KEYS = ("compute", "memory_bound", "tp_exposed", "pp_exposed", "bubble",
-                  "dp_exposed", "optimizer", "data")
+                  "dp_exposed", "optimizer", "data", "stragglers", "launch_skew")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,10 @@ def _predict_with(model, layout, tech, recompute, hw, c, dtype, memory):
   update = c.adam_update_bytes + (c.lamb_extra_bytes if tech.lamb else 0) + c.grad_bytes
   optimizer = compute.memory_time(n_shard * update, hw.hbm_bw, c, kernels=4)
 
+  # Every rank of the synchronous step runs the pipeline; it ends with the slowest.
+  stragglers = (steady + bubble) * scale.straggler_stretch(layout.devices, hw, c)
+  skew = scale.launch_skew_s(layout.devices, layout.dp, c)
+
   breakdown = {
       "compute": m * (slowest.gemm + slowest.attention),
       "memory_bound": m * slowest.memory_bound,
@@ -128,6 +134,8 @@ def _predict_with(model, layout, tech, recompute, hw, c, dtype, memory):
       "dp_exposed": dp,
       "optimizer": optimizer,
       "data": data,
+      "stragglers": stragglers,
+      "launch_skew": skew,
   }
   iteration = sum(breakdown.values())
   tokens_per_s = layout.global_batch * model.seq_len / iteration

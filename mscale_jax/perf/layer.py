@@ -33,11 +33,12 @@ class Cost:
 
   def __add__(self, other):
     """Term-by-term sum."""
-    return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+    return Cost(self.gemm + other.gemm, self.attention + other.attention,
+                self.memory_bound + other.memory_bound, self.tp_exposed + other.tp_exposed)
 
   def scale(self, k: float):
     """Every term times `k` (e.g. the layers of a stage)."""
-    return Cost(*(k * a for a in dataclasses.astuple(self)))
+    return Cost(k * self.gemm, k * self.attention, k * self.memory_bound, k * self.tp_exposed)
 
 
 def _linear(m, k, n, chunks, peak, c):
