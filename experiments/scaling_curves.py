@@ -284,7 +284,8 @@ def validation_lines(validations: list) -> list:
                  f"{v.fit.rms:.2f} / {v.fit.worst:.2f} | {len(oos)} | "
                  f"{fit.rms(oos):.2f} / {max(abs(e) for e in oos):.2f} |")
   lines += ["", "Held-out rows (error = ours - paper, MFU points):", "",
-            "| protocol | table | system | GPUs | batch | paper | error |", "|---|---|---|---|---|---|---|"]
+            "| protocol | table | system | GPUs | batch | paper | error |",
+            "|---|---|---|---|---|---|---|"]
   for v in validations:
     for row, err, dup in v.held_out:
       note = " (the same run as fitted Table 3 'lamb'; not counted)" if dup else ""
@@ -300,22 +301,39 @@ def validation_lines(validations: list) -> list:
   return lines
 
 
+def summary_lines(validations: list) -> list:
+  """One line per protocol: out-of-sample RMS / worst."""
+  return [f"| {v.name} | {fit.rms(v.out_of_sample):.2f} / "
+          f"{max(abs(e) for e in v.out_of_sample):.2f} |" for v in validations]
+
+
 def run_validation(out_dir: str, hw_name: str = "a100_megascale",
-                   points: int = fit.GRID_POINTS) -> dict:
-  """Runs `fit.validate`, writes validation.md and a record; returns {'paths', 'validations'}."""
+                   points: int = fit.GRID_POINTS, compare_off: bool = True) -> dict:
+  """Runs `fit.validate`, writes validation.md and a record; returns {'paths', 'validations'}.
+
+  With `compare_off`, the protocol runs again with every scale effect switched off, so the
+  report shows what the scale mechanisms do to the out-of-sample errors.
+  """
   from experiments.results import write_record
   hw = hardware.get_hardware(hw_name)
   validations = fit.validate(hw, constants.DEFAULT, points=points)
+  off = dataclasses.replace(constants.DEFAULT, **{s: False for s in SCALE_SWITCHES})
+  validations_off = fit.validate(hw, off, points=points) if compare_off else []
   full = validations[-1].fit.constants
   same = all(getattr(full, n) == getattr(constants.DEFAULT, n) for n in constants.FITTED)
+  fitted = ", ".join(constants.FITTED)
   lines = ["# Validation: fit on some of the paper's rows, predict the others", "",
            "Produced by `python -m experiments.scaling_curves --validate`. Each protocol fits "
-           f"the {len(constants.FITTED)} constants of `constants.FITTED` ({', '.join(constants.FITTED)}) "
-           f"on a {points}-point grid within their documented ranges (`fit.fit`: coordinate "
-           "search minimising the RMS error, from the middle of every range); all other "
-           "constants keep their source values; scale effects are never fitted.", "",
+           f"the {len(constants.FITTED)} constants of `constants.FITTED` ({fitted}) on a "
+           f"{points}-point grid within their documented ranges (`fit.fit`: coordinate then "
+           "pairwise search minimising the RMS error, from the middle of every range); all "
+           "other constants keep their source values; scale effects are never fitted.", "",
            f"The default constants {'are' if same else 'are NOT'} the 'full' protocol's fit.", ""]
   lines += validation_lines(validations)
+  if validations_off:
+    lines += ["", "The same protocols with every scale effect switched off (refitted), "
+              "out-of-sample RMS / worst:", "", "| protocol | scale effects off |", "|---|---|"]
+    lines += summary_lines(validations_off)
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, "validation.md")
   with open(path, "w") as f:
@@ -332,9 +350,14 @@ def run_validation(out_dir: str, hw_name: str = "a100_megascale",
                                   "global_batch": r.global_batch, "paper_mfu": r.paper_mfu,
                                   "error": e, "same_run_as_fitted": d} for r, e, d in v.held_out],
                     "constants": {n: getattr(v.fit.constants, n) for n in v.fit.names}})
+  off_figures = [{"protocol": v.name, "in_sample_rms": v.fit.rms,
+                  "out_of_sample_rms": fit.rms(v.out_of_sample),
+                  "out_of_sample_worst": max(abs(e) for e in v.out_of_sample)}
+                 for v in validations_off]
   record = write_record("scaling_curves-validate", figures, out_dir=out_dir,
                         device={"platform": "model", "device_kind": hw.name},
-                        extra={"grid_points": points, "defaults_are_full_fit": same})
+                        extra={"grid_points": points, "defaults_are_full_fit": same,
+                               "scale_effects_off": off_figures})
   return {"paths": {"validation.md": path, "record": record}, "validations": validations,
           "lines": lines, "defaults_are_full_fit": same}
 

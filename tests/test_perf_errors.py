@@ -94,7 +94,8 @@ def test_hardware_presets_know_their_device_kind(hw, kind, ok):
 
 def test_cli_calibrate_any_device(tmp_path):
   path = _gemm_record(tmp_path / "h100.json", "NVIDIA H100 80GB HBM3")
-  argv = ["-m", "experiments.scaling_curves", f"--calibrate={path}", f"--out_dir={tmp_path}"]
+  argv = ["-m", "experiments.scaling_curves", f"--calibrate={path}", f"--out_dir={tmp_path}",
+          "--nointervals"]
   out = subprocess.run([sys.executable] + argv, cwd=REPO, capture_output=True, text=True,
                        timeout=120)
   assert out.returncode == 2 and "'NVIDIA H100 80GB HBM3'" in out.stderr

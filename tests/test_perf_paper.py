@@ -79,10 +79,24 @@ def test_scaling_curves_writes_outputs(tmp_path):
   with open(tmp_path / "scaling_curves.csv") as f:
     rows = list(csv.DictReader(f))
   assert list(rows[0]) == list(scaling_curves.CSV_COLUMNS)
+  assert list(rows[0])[:7] == ["table", "model", "system", "gpus", "global_batch",
+                               "predicted_mfu", "paper_mfu"]
+  assert list(rows[0])[7:] == ["predicted_low", "predicted_high"]
   assert len(rows) == len(paper.rows())
   assert any(r["paper_mfu"] == "" for r in rows)
+  kept = {(r["model"], int(r["gpus"]), int(r["global_batch"])) for r in rows}
+  assert {("175B", g, 6144) for g in (3072, 6144, 8192, 12288)} <= kept
+  assert {("530B", g, g) for g in (2240, 4480, 11200)} <= kept
+  # Every row's interval holds its prediction, and the MegaScale band widens with scale.
+  width = {}
+  for r in rows:
+    low, mid, high = (float(r[k]) for k in ("predicted_low", "predicted_mfu", "predicted_high"))
+    assert low <= mid <= high and high - low < 15
+    width[(r["table"], r["system"], int(r["gpus"]))] = high - low
+  assert width[("fig9", "megascale", 12288)] > width[("table2", "megascale", 256)]
   md = (tmp_path / "scaling_curves.md").read_text()
-  assert "| table3 | 175B | baseline | 256 | 256 | 47.7 |" in md
+  assert "| table3 | 175B | baseline | 256 | 256 | fitted | 47.7 |" in md
+  assert "| fig9 | 175B | megascale | 12288 | 6144 | held out | 55.2 |" in md
   for name in ("mfu_vs_gpus.png", "ablation_waterfall.png"):
     assert os.path.getsize(tmp_path / name) > 1000
   with open(out["paths"]["record"]) as f:

@@ -65,7 +65,7 @@ def test_calibrated_scaling_curves_report_moves(tmp_path):
           for s, t in ((1024, 150.0), (4096, 220.0), (8192, 240.0))]
   path = tmp_path / "rec.json"
   _write_record(path, rows, kind="NVIDIA A100-SXM4-80GB")
-  out = scaling_curves.run(str(tmp_path / "out"), calibration=str(path))
+  out = scaling_curves.run(str(tmp_path / "out"), calibration=str(path), intervals=False)
   assert len(out["moves"]) == len(paper.rows()) and "->" in out["moves"][0]
   assert "How calibration moved" in (tmp_path / "out" / "scaling_curves.md").read_text()
 

@@ -8,7 +8,7 @@ is per row or per table: `scaling_curves.py` and the tests use `DEFAULT` for eve
 How the values were set: each has a range from public measurements or physics (`RANGES`, and
 its comment). The seven constants of `FITTED` are what `fit.fit` returns when fitted to the
 paper's Table 3 and batch-768 Table 2 rows (17 rows; a deterministic grid search within the
-ranges, RMS error 0.57, worst 1.16 MFU points); the rest keep their source values, and the
+ranges, RMS error 0.56, worst 1.04 MFU points); the rest keep their source values, and the
 scale effects are never fitted. The larger runs (Figure 9, 530B) are not used: they are
 predictions, with error bars from the ranges (`sensitivity.prediction_intervals`).
 """
@@ -21,8 +21,9 @@ class Constants:
   # GEMM efficiency: eff(m,k,n) = gemm_eff_max / (1 + gemm_edge * (1/m + 1/k + 1/n)).
   # cuBLAS bf16 on A100 SXM reaches 230-260 TFLOP/s (74-83% of 312) on large GEMMs; a node of
   # eight GPUs training flat out sits at its power limit and clocks down, so we take the low
-  # end; fitted 0.75 (234 TFLOP/s; range 0.70-0.82). Small dimensions lose tile and wave efficiency, which the edge
-  # term averages: a GEMM cut into 1,024-row chunks runs ~3% slower than the whole 8,192 rows.
+  # end; fitted 0.75 (234 TFLOP/s; range 0.70-0.82). Small dimensions lose tile and wave
+  # efficiency, which the edge term averages: a GEMM cut into 1,024-row chunks runs ~3% slower
+  # than the whole 8,192 rows.
   gemm_eff_max: float = 0.75
   gemm_edge: float = 32.0
   # Flash attention (FA2 paper, A100): 50-73% of peak forward+backward at head dims 64/128;
@@ -48,9 +49,9 @@ class Constants:
   # of 300 GB/s on NVLink for large all-gathers (0.78); rings across nodes reach 150-190 GB/s
   # of bus bandwidth per 8-NIC node, 19-24 of 25 GB/s per HDR NIC (0.78: 19.5 GB/s), the low
   # end for rings that cross a shared Clos fabric rather than one idle switch. Fitted: NVLink
-  # 0.74 (range 0.70-0.82), network 0.92 (range 0.72-0.96).
-  nvlink_eff: float = 0.74
-  net_eff: float = 0.92
+  # 0.76 (range 0.70-0.82), network 0.82 (range 0.72-0.96).
+  nvlink_eff: float = 0.76
+  net_eff: float = 0.82
   # Pipeline send/recv across nodes: NCCL opens only 2 channels per network peer for p2p and each
   # blocking transfer waits for its peer, so a transfer reaches about half the NIC rate (range
   # 0.30-0.60; fitted 0.60, the high edge).
@@ -64,9 +65,9 @@ class Constants:
   # a synchronous next() on the loader, collation, host-to-device copy and the TP broadcast of
   # the batch; per iteration, timers and .item() syncs (loss, grad norm) that stall the stream.
   # These are assumptions (the paper gives only the step's total), not measurements: ranges
-  # 0.5-6.5 ms and 10-190 ms; fitted 0.5 ms (the low edge) and 55 ms.
+  # 0.5-6.5 ms and 10-190 ms; fitted 0.5 ms and 10 ms (both the low edge).
   host_per_micro_batch_s: float = 0.5e-3
-  host_per_iteration_s: float = 0.055
+  host_per_iteration_s: float = 0.01
   # Bytes per parameter: bf16 weights; gradients accumulated and reduce-scattered in fp32
   # (Megatron-LM turns on accumulate_allreduce_grads_in_fp32 for bf16); fp32 master, m, v
   # sharded over DP (ZeRO-2).
