@@ -6,8 +6,10 @@
   p.mfu, p.iteration_s, p.breakdown, p.memory.fits
 
 Modules: hardware (presets), workload (model, layout, switches, validation), constants (the one
-efficiency set), compute / comm / layer / memory (cost terms), iteration (one step), paper
-(the paper's rows), search (layout planner), calibrate (measured GEMM efficiency).
+constant set, its ranges, which are fitted), compute / comm / layer / memory (cost terms), scale
+(costs that grow with the number of ranks), iteration (one step), paper (the paper's rows),
+search (layout planner), calibrate (measured GEMM efficiency), fit (grid-search fit and the
+validation protocol), sensitivity (prediction intervals).
 """
 from mscale_jax.perf.constants import DEFAULT, Constants
 from mscale_jax.perf.hardware import (A100_MEGASCALE, H100_DGX, H800_DGX, TPU_V5P, Hardware,
