@@ -146,3 +146,12 @@ def test_validate_mode_runs(tmp_path):
   assert [r.system for r, _, dup in a.held_out if dup] == ["megascale"]
   text = (tmp_path / "validation.md").read_text()
   assert "out-of-sample RMS" in text and "| a: fit Table 3, predict Table 2 | 7 | 9 |" in text
+
+
+def test_refit_level_repins_the_mean_error_to_zero():
+  rows = [r for r in paper.rows() if r.table == "table2"]
+  for start in constants.RANGES["gemm_eff_max"]:
+    moved = dataclasses.replace(DEFAULT, gemm_eff_max=start, gpu_time_cv=0.015)
+    c = fit.refit_level(rows, A100, moved)
+    assert abs(sum(fit.errors(rows, A100, c)) / len(rows)) < 1e-3
+    assert c.gemm_eff_max != start and c.gpu_time_cv == 0.015

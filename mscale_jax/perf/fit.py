@@ -107,7 +107,8 @@ def refit_level(rows: list, hw: Hardware, c: Constants, iters: int = 8) -> Const
   """
   lo, hi = RANGES["gemm_eff_max"]
   mean = lambda v: sum(errors(rows, hw, dataclasses.replace(c, gemm_eff_max=v))) / len(rows)
-  x0, x1 = c.gemm_eff_max, min(hi, c.gemm_eff_max * 1.02)
+  x0 = c.gemm_eff_max
+  x1 = x0 + 0.01 if x0 + 0.01 <= hi else x0 - 0.01
   f0, f1 = mean(x0), mean(x1)
   for _ in range(iters):
     if abs(f1) < 1e-4 or f1 == f0:
