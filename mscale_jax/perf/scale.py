@@ -1,4 +1,4 @@
-"""Costs that grow with the number of ranks: stragglers, ECMP collisions, collective launch skew.
+"""Costs that grow with the number of ranks: stragglers, slow machines, ECMP collisions, skew.
 
 A synchronous step ends when its last rank does, so a job of N ranks pays the expected maximum
 of N random delays, which grows with N even when each rank's own distribution does not. Each
