@@ -224,17 +224,21 @@ def plot_figure(path: str, figure: str, variants, stats: dict, title: str) -> No
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel(f"{name}, nats/byte")
     ax.grid(alpha=0.3)
-  # The first points (loss ~5.5 at initialisation) would flatten the rest: show from the second.
-  shown = [y for v in variants for key in ("train", "eval") for y in
-           stats[v.name][key]["min"][1:] + stats[v.name][key]["max"][1:]]
-  if shown:
-    for ax in axes:
-      ax.set_ylim(min(shown) - 0.05, max(shown) + 0.05)
+    # Each panel from its second point on: the loss at initialisation (~5.5) would flatten
+    # the rest.
+    shown = [y for v in variants for y in _band_after_first(stats[v.name][key])]
+    if shown:
+      ax.set_ylim(min(shown) - 0.02, max(shown) + 0.02)
   axes[1].legend(fontsize=8)
   fig.suptitle(f"{figure}: {title}", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def _band_after_first(curve: dict) -> list[float]:
+  """The band's values from the curve's second point on."""
+  return curve["min"][1:] + curve["max"][1:]
 
 
 def table(figure: str, variants, stats: dict, diffs: dict, seeds: int) -> str:
