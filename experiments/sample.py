@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 from absl import app, flags
+from absl import logging as absl_logging
 
 from mscale_jax.errors import ConfigError
 
@@ -60,6 +61,7 @@ def encode(prompt: str, as_bytes: bool) -> list[int]:
 
 def main(argv):
   del argv
+  absl_logging.set_verbosity(absl_logging.WARNING)    # orbax's INFO chatter
   try:
     workdir = _WORKDIR.value
     if not os.path.isdir(workdir):

@@ -53,7 +53,9 @@ def test_quick_run_writes_record_plots_and_table(tmp_path):
           "--config.quick.run.model.seq_len=32", "--config.run.model.num_layers=1",
           "--config.quick.run.train.steps=8", "--config.quick.run.train.log_every=4",
           "--config.quick.run.train.eval_every=4", "--config.quick.run.train.checkpoint_every=8",
-          "--config.quick.run.optimizer.warmup_steps=4"]
+          "--config.quick.run.optimizer.warmup_steps=4",
+          # A small corpus (this package's own source) loads faster than the stdlib.
+          f"--config.run.data.path={REPO}/mscale_jax", "--config.run.data.heldout_fraction=0.2"]
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   result = subprocess.run([sys.executable, "-m", "experiments.convergence", "--quick", *tiny,
                            f"--workdir={tmp_path / 'runs'}", f"--out_dir={tmp_path / 'out'}"],
