@@ -1,6 +1,6 @@
 r"""Do MegaScale's algorithmic changes keep model quality? Figure 10 at small scale, with seeds.
 
-  python -m experiments.convergence                       # both figures, 3 seeds (~20-40 min)
+  python -m experiments.convergence                       # both figures, 3 seeds (~20-45 min)
   python -m experiments.convergence --quick               # smoke version (~3 min)
   python -m experiments.convergence --figures=fig10a --config.seeds=5
 

@@ -1,6 +1,6 @@
 r"""MegaScale Figure 10 at small scale: one byte-level GPT, each variant trained on equal tokens.
 
-  python -m experiments.convergence                      # fig10a + fig10b, 3 seeds (~20-40 min)
+  python -m experiments.convergence                      # fig10a + fig10b, 3 seeds (~20-45 min)
   python -m experiments.convergence --quick              # smoke version (~3 min)
   python -m experiments.convergence --figures=fig10b --config.seeds=5
 
