@@ -24,9 +24,17 @@ QKV_NAMES = ("batch", "seq", "heads", "head_dim")
 
 def causal_window_mask(seq_len: int, window: int | None) -> jax.Array:
   """[seq, seq] boolean mask: True where query i may attend key j."""
-  i = jnp.arange(seq_len)[:, None]
-  j = jnp.arange(seq_len)[None, :]
-  mask = j <= i
+  positions = jnp.arange(seq_len)
+  return window_mask(positions, positions, window)
+
+
+def window_mask(q_positions, k_positions, window: int | None) -> jax.Array:
+  """[q, k] boolean mask from positions: key at j is visible to query at i if i - w < j <= i.
+
+  Negative key positions mark empty slots (of a decoding cache) and are never visible.
+  """
+  i, j = q_positions[:, None], k_positions[None, :]
+  mask = (j <= i) & (j >= 0)
   if window is not None:
     mask &= j > i - window
   return mask
@@ -34,9 +42,18 @@ def causal_window_mask(seq_len: int, window: int | None) -> jax.Array:
 
 def xla_attention(q, k, v, *, window: int | None = None) -> jax.Array:
   """Reference causal attention: [b, s, h, d] -> [b, s, h, d], softmax in float32."""
+  return _masked_attention(q, k, v, causal_window_mask(q.shape[1], window))
+
+
+def attention_at(q, k, v, *, q_positions, k_positions, window: int | None) -> jax.Array:
+  """Attention of queries [b, s, h, d] at `q_positions` [s] over keys/values [b, n, h, d] at
+  `k_positions` [n] in any order (-1: empty), as decoding with a key/value cache needs."""
+  return _masked_attention(q, k, v, window_mask(q_positions, k_positions, window))
+
+
+def _masked_attention(q, k, v, mask) -> jax.Array:
   scale = q.shape[-1] ** -0.5
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-  mask = causal_window_mask(q.shape[1], window)
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)

@@ -46,6 +46,7 @@ class Checkpointer:
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave({"model": dataclasses.asdict(config.model),
                                 "optimizer": dataclasses.asdict(config.optimizer),
+                                "data": dataclasses.asdict(config.data),
                                 "train_steps": config.train.steps})))
 
   def check_compatible(self, step: int, config: Config) -> None:
@@ -74,6 +75,15 @@ class Checkpointer:
                           f"the checkpoint in {self.directory} (step {step}) was written with "
                           f"model.{field}={saved.get(field)!r}; use that value or a new "
                           f"--workdir")
+
+  def all_steps(self) -> list[int]:
+    """Steps of the complete checkpoints, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def restore_meta(self, step: int) -> dict:
+    """The configs saved with `step`: {'model', 'optimizer', 'train_steps'} (and 'data')."""
+    return self._manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
 
   def restore_data_state(self, step: int) -> dict:
     """The data iterator's state saved with `step`."""

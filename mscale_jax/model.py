@@ -94,10 +94,56 @@ class Attention(nnx.Module):
     qkv = constrain(qkv.reshape(b, s, c.num_heads, 3, c.head_dim),
                     ("batch", "seq", "heads", None, "head_dim"))
     q, k, v = (qkv[:, :, :, i] for i in range(3))
+    if self.decoding:
+      return self._attend_cached(q, k, v).reshape(b, s, c.num_heads * c.head_dim)
     if c.positions == "rotary":
       q, k = rotary(q), rotary(k)
     out = attention_lib.attention(q, k, v, window=c.attention_window, impl=c.attention_impl)
     return out.reshape(b, s, c.num_heads * c.head_dim)
+
+  # -- decoding (see `init_cache`; used by mscale_jax.generate) --------------------------------
+
+  @property
+  def decoding(self) -> bool:
+    """Whether `init_cache` turned on the key/value cache."""
+    return hasattr(self, "cache_index")
+
+  def init_cache(self, batch: int, capacity: int, layers: tuple[int, ...] = ()) -> None:
+    """Keeps keys and values of up to `capacity` positions between calls, for decoding.
+
+    Each later call attends its queries to the cached keys and its own, then stores its own
+    (the newest `capacity` of them): position p lives in slot p % capacity, so a model with an
+    attention window needs only `capacity = attention_window` (older keys are never attended)
+    and a full-attention model needs the whole length. `layers` is a leading shape for layers
+    stacked by scan-over-layers.
+    """
+    c = self.config
+    shape = layers + (batch, capacity, c.num_heads, c.head_dim)
+    self.cached_key = nnx.Cache(jnp.zeros(shape, c.dtype))
+    self.cached_value = nnx.Cache(jnp.zeros(shape, c.dtype))
+    self.cached_position = nnx.Cache(jnp.full(layers + (capacity,), -1, jnp.int32))  # -1: empty
+    self.cache_index = nnx.Cache(jnp.zeros(layers, jnp.int32))    # the next token's position
+
+  def _attend_cached(self, q, k, v) -> jax.Array:
+    c = self.config
+    s, capacity = q.shape[1], self.cached_key.shape[1]
+    start = self.cache_index[...]
+    positions = start + jnp.arange(s, dtype=jnp.int32)
+    if c.positions == "rotary":
+      q, k = rotary(q, offset=start), rotary(k, offset=start)
+    out = attention_lib.attention_at(
+        q, jnp.concatenate([self.cached_key[...], k], axis=1),
+        jnp.concatenate([self.cached_value[...], v], axis=1),
+        q_positions=positions,
+        k_positions=jnp.concatenate([self.cached_position[...], positions]),
+        window=c.attention_window)
+    keep = min(s, capacity)
+    slots = positions[s - keep:] % capacity
+    self.cached_key[...] = self.cached_key[...].at[:, slots].set(k[:, s - keep:])
+    self.cached_value[...] = self.cached_value[...].at[:, slots].set(v[:, s - keep:])
+    self.cached_position[...] = self.cached_position[...].at[slots].set(positions[s - keep:])
+    self.cache_index[...] = start + s
+    return out
 
   def output_bias(self) -> jax.Array | float:
     """The row-parallel output bias, added once after the reduce-scatter."""
@@ -175,11 +221,12 @@ class Block(nnx.Module):
     return x + y + self.mlp.output_bias()
 
 
-def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
-  """Rotary position embedding of [b, s, h, d] queries or keys (halves rotated, d even)."""
+def rotary(x: jax.Array, base: float = 10000.0, offset: jax.Array | int = 0) -> jax.Array:
+  """Rotary position embedding of [b, s, h, d] queries or keys at positions offset + 0..s-1."""
   s, d = x.shape[1], x.shape[-1]
   freqs = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) / (d // 2))
-  angles = jnp.arange(s, dtype=jnp.float32)[:, None] * freqs[None, :]
+  positions = offset + jnp.arange(s, dtype=jnp.float32)
+  angles = positions[:, None] * freqs[None, :]
   cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -212,7 +259,10 @@ class GPT(nnx.Module):
     c = self.config
     x = jnp.take(self.embed[...], tokens, axis=0)
     if c.positions == "learned":
-      x = x + self.pos_embed[...][None, :tokens.shape[1]]
+      start = self.cache_index[...] if hasattr(self, "cache_index") else 0
+      x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
+    if hasattr(self, "cache_index"):
+      self.cache_index[...] += tokens.shape[1]
     x = constrain(x.astype(c.dtype), RESIDUAL)
     x = self._run_blocks(x)
     x = self.final_norm(x)
@@ -220,6 +270,21 @@ class GPT(nnx.Module):
     logits = jnp.einsum("bsd,dv->bsv", x, unembed.astype(c.dtype),
                         preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab"))
+
+  def init_cache(self, batch: int, capacity: int) -> None:
+    """Turns on decoding: each call continues the sequence of the previous calls.
+
+    Every attention layer keeps `capacity` key/value positions (`Attention.init_cache`).
+    Learned position embeddings are read at the positions reached, which must stay below
+    `seq_len` (the caller checks: `lax.dynamic_slice` would clamp).
+    """
+    c = self.config
+    if c.scan_layers:
+      self.blocks.attn.init_cache(batch, capacity, layers=(c.num_layers,))
+    else:
+      for block in self.blocks:
+        block.attn.init_cache(batch, capacity)
+    self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
   def _run_blocks(self, x: jax.Array) -> jax.Array:
     c = self.config
