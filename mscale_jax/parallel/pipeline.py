@@ -41,8 +41,8 @@ from mscale_jax.parallel import schedule as schedule_lib
 
 AXIS = "stage"
 BLOCKS = "blocks"
-# lax.switch branches.
-IDLE, FORWARD, FORWARD_FIRST, FORWARD_LAST, BACKWARD, BACKWARD_FIRST, BACKWARD_LAST = range(7)
+# lax.switch branches; the model's first chunk runs FORWARD / BACKWARD with `first` set.
+IDLE, FORWARD, FORWARD_LAST, BACKWARD, BACKWARD_LAST = range(5)
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
@@ -101,7 +101,8 @@ def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
   stash and receive slot it reads and writes, and where arriving messages go."""
   p, v = stages, virtual
   table = schedule_lib.build(schedule, p, v, microbatches, latency=1 if overlap else 0)
-  names = ("op", "chunk", "microbatch", "x_slot", "g_slot", "stash_slot", "recv_f", "recv_b")
+  names = ("op", "first", "chunk", "microbatch", "x_slot", "g_slot", "stash_slot", "recv_f",
+           "recv_b")
   fields = {name: np.full((table.ticks, p), -1, np.int32) for name in names}
   fields["op"][:] = IDLE
   # Receive slots: a message is in its slot from `ready` to the tick that uses it.
@@ -121,13 +122,14 @@ def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
       first, last = (s, action.chunk) == (0, 0), (s, action.chunk) == (p - 1, v - 1)
       f = fields
       f["chunk"][t, s], f["microbatch"][t, s] = action.chunk, action.microbatch
+      f["first"][t, s] = int(first)
       f["stash_slot"][t, s] = stash[schedule_lib.Action("F", action.microbatch, action.chunk)]
       if action.kind == "F":
-        f["op"][t, s] = FORWARD_FIRST if first else FORWARD_LAST if last else FORWARD
+        f["op"][t, s] = FORWARD_LAST if last else FORWARD
         if not first:
           f["x_slot"][t, s] = inbox[(s, action)]
       else:
-        f["op"][t, s] = BACKWARD_FIRST if first else BACKWARD_LAST if last else BACKWARD
+        f["op"][t, s] = BACKWARD_LAST if last else BACKWARD
         if not last:
           f["g_slot"][t, s] = inbox[(s, action)]
     for (dst, action), msg in arrivals.items():
@@ -181,10 +183,6 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: Plan, overlap: bool):
   def model(chunk_params, shared_params):
     return nnx.merge(graphdef, {**shared_params, BLOCKS: chunk_params})
 
-  def embed_and_run(cp, sp, tokens):
-    mod = model(cp, sp)
-    return mod.run_blocks(mod.embed_tokens(tokens))
-
   def run(cp, sp, x):
     return model(cp, sp).run_blocks(x)
 
@@ -202,12 +200,22 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: Plan, overlap: bool):
   zeros_like = lambda tree: jax.tree.map(jnp.zeros_like, tree)
   add_at = lambda acc, c, g: jax.tree.map(lambda a, b: a.at[c].add(b), acc, g)
 
+  embed_names = [k for k in ("embed", "pos_embed") if k in shared]
+
   def tick(carry, row):
     f = {k: a[stage] for k, a in row.items()}
-    c, i = f["chunk"], f["microbatch"]
+    c, i, op = f["chunk"], f["microbatch"], f["op"]
     cp = jax.tree.map(lambda a: a[c], chunks)
     tokens, tgt = inputs[i], targets[i]
-    x_in = carry["inbox"][jnp.maximum(f["x_slot"], 0)]
+    # The embedding (a gather, O(batch * seq * hidden)) runs on every stage at every tick,
+    # outside the switch: inside it XLA partitions the gather with collective-permutes over
+    # all devices, which deadlock when the stages take different branches.
+    x_embed, embed_vjp = jax.vjp(
+        lambda emb: model(cp, {**shared, **emb}).embed_tokens(tokens),
+        {k: shared[k] for k in embed_names})
+    first = f["first"] == 1
+    x_in = jnp.where(first, x_embed,
+                     carry["inbox"][jnp.maximum(f["x_slot"], 0)])
     g_in = carry["inbox"][jnp.maximum(f["g_slot"], 0)]
     stashed = carry["stash"][jnp.maximum(f["stash_slot"], 0)]
     state = (carry["stash"], carry["grad_chunks"], carry["grad_shared"], carry["loss"])
@@ -222,11 +230,6 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: Plan, overlap: bool):
       stash, gc, gs, loss = state
       return (store(stash, x_in), gc, gs, loss), run(cp, shared, x_in), act
 
-    def forward_first(state):
-      stash, gc, gs, loss = state
-      x = model(cp, shared).embed_tokens(tokens)
-      return (store(stash, x), gc, gs, loss), model(cp, shared).run_blocks(x), act
-
     def forward_last(state):   # the backward recomputes it from the stash, with the loss
       stash, gc, gs, loss = state
       return (store(stash, x_in), gc, gs, loss), act, act
@@ -237,12 +240,6 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: Plan, overlap: bool):
       d_cp, d_x = vjp(g_in)
       return (stash, add_at(gc, c, d_cp), gs, loss), act, d_x
 
-    def backward_first(state):
-      stash, gc, gs, loss = state
-      _, vjp = jax.vjp(lambda cp, sp: embed_and_run(cp, sp, tokens), cp, shared)
-      d_cp, d_sp = vjp(g_in)
-      return (stash, add_at(gc, c, d_cp), jax.tree.map(jnp.add, gs, d_sp), loss), act, act
-
     def backward_last(state):
       stash, gc, gs, loss = state
       value, vjp = jax.vjp(lambda cp, sp, x: run_and_loss(cp, sp, x, tgt), cp, shared,
@@ -251,10 +248,15 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: Plan, overlap: bool):
       return ((stash, add_at(gc, c, d_cp), jax.tree.map(jnp.add, gs, d_sp), loss + value),
               act, d_x)
 
-    branches = (idle, forward, forward_first, forward_last, backward, backward_first,
-                backward_last)
-    state, out_f, out_b = jax.lax.switch(f["op"], branches, state)
+    # The model's first chunk runs the plain forward / backward on the embedding's output;
+    # its input cotangent goes to the embedding's backward below (and, harmlessly, into the
+    # ring, where no receive slot takes it).
+    branches = (idle, forward, forward_last, backward, backward_last)
+    state, out_f, out_b = jax.lax.switch(op, branches, state)
     stash, grad_chunks, grad_shared, loss = state
+    (d_embed,) = embed_vjp(jnp.where(first & (op == BACKWARD), out_b, 0).astype(out_b.dtype))
+    grad_shared = {**grad_shared,
+                   **{k: grad_shared[k] + d_embed[k] for k in embed_names}}
 
     if overlap:   # send the previous tick's outputs while this tick computed
       send_f, send_b = carry["out_f"], carry["out_b"]
