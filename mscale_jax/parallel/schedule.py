@@ -304,3 +304,13 @@ def summary(schedule: str, p: int, v: int, m: int, latency: int = 0) -> tuple[in
   check(schedule, p, v, m, latency)
   table = build(schedule, p, v, steady_microbatches(schedule, p, v, m), latency)
   return table.idle_ticks, table.peak_inflight
+
+
+def megatron_summary(p: int, v: int, m: int) -> tuple[int, tuple]:
+  """`summary` of the schedule Megatron-LM runs for (p, v, m) without send latency:
+  interleaved 1F1B when v > 1, else 1F1B. The interleaved table needs m a multiple of p; other
+  m (>= p) take the next multiple up, whose warm-up (which does not depend on m once m > p)
+  is Megatron-LM's for m: both have the idle ticks and peak in-flight count of any m >= 2p."""
+  if v == 1:
+    return summary("1f1b", p, 1, m)
+  return summary("interleaved_1f1b", p, v, m + (-m) % p)
