@@ -2,8 +2,10 @@ r"""Pipeline step vs the unpipelined step: compiled temp memory, FLOPs and wall 
 
   python -m experiments.pipeline_bench            # 8 simulated CPU devices; writes results/
 
-For m in {4, 8, 16, 32} microbatches and each schedule (stage=4, tensor=2, 8 layers; interleaved
-with 2 chunks per stage), and the unpipelined step (stage=1, tensor=2) on the same batch:
+For m in {4, 8, 16, 32} microbatches of 2 sequences each (the batch grows with m, as it does when
+a run adds microbatches to fill the pipeline) and each schedule (stage=4, tensor=2, 8 layers;
+interleaved with 2 chunks per stage), and the unpipelined step (stage=1, tensor=2) on the same
+batch:
   temp_bytes   XLA's compiled memory analysis (temp buffers per device): activations, stash
                and receive slots; this is where 1F1B and GPipe differ;
   flops        per device per step. XLA's cost analysis counts a while-loop body once and a
@@ -31,7 +33,7 @@ _SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b"
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per configuration.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
 
-STAGES, TENSOR, LAYERS, BATCH = 4, 2, 8, 32
+STAGES, TENSOR, LAYERS, MICRO = 4, 2, 8, 2   # MICRO: sequences per microbatch
 
 
 def _model_config(scan_layers=True):
@@ -51,7 +53,7 @@ def _time(fn, *args):
   return statistics.median(times)
 
 
-def _setup(stages, scan_layers=True):
+def _setup(stages, batch_size, scan_layers=True):
   import jax
   import numpy as np
   from flax import nnx
@@ -64,16 +66,17 @@ def _setup(stages, scan_layers=True):
   with nnx.use_eager_sharding(False):
     params = nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(0)), nnx.Param))
   rng = np.random.default_rng(0)
-  batch = {k: rng.integers(0, 256, (BATCH, 64)).astype(np.int32) for k in ("inputs", "targets")}
+  batch = {k: rng.integers(0, 256, (batch_size, 64)).astype(np.int32)
+           for k in ("inputs", "targets")}
   return config, mesh, graphdef, params, names, batch
 
 
-def unpipelined():
+def unpipelined(microbatches):
   """Compiled temp bytes, FLOPs (layers unrolled) and step time of the stage=1 step."""
   import jax
   from mscale_jax import mesh as mesh_lib
   from mscale_jax.train import loss_fn
-  _, mesh, graphdef, params, names, batch = _setup(1, scan_layers=False)
+  _, mesh, graphdef, params, names, batch = _setup(1, microbatches * MICRO, scan_layers=False)
   with jax.set_mesh(mesh):
     params = jax.device_put(params, mesh_lib.shardings_for(mesh, names))
     batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
@@ -91,10 +94,10 @@ def action_flops(virtual, microbatches):
   from flax import nnx
   from mscale_jax import mesh as mesh_lib
   from mscale_jax.parallel.pipeline import _cross_entropy
-  config, _, graphdef, params, names, batch = _setup(1)
+  config, _, graphdef, params, names, batch = _setup(1, microbatches * MICRO)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "stage": 1, "tensor": TENSOR})
   per_chunk = LAYERS // (STAGES * virtual)
-  rows = BATCH // microbatches
+  rows = MICRO
   shared = {k: v for k, v in params.items() if k != "blocks"}
   layer = jax.tree.map(lambda a: a[:1], params["blocks"])          # one layer
   tokens = batch["inputs"][:rows]
@@ -134,7 +137,7 @@ def pipelined(schedule, microbatches, costs):
   from mscale_jax import mesh as mesh_lib
   from mscale_jax.parallel import pipeline
   virtual = 2 if schedule == "interleaved_1f1b" else 1
-  _, mesh, graphdef, params, names, batch = _setup(STAGES)
+  _, mesh, graphdef, params, names, batch = _setup(STAGES, microbatches * MICRO)
   params = pipeline.reorder_layers(params, LAYERS, (1, 1), (STAGES, virtual))
   with jax.set_mesh(mesh):
     params = jax.device_put(params, mesh_lib.shardings_for(mesh, names))
@@ -168,11 +171,12 @@ def pipelined(schedule, microbatches, costs):
 def main(argv):
   del argv
   import jax
-  base = unpipelined()
-  print(f"[pipeline_bench] stage=1: temp {base['temp_bytes'] / 2**20:.2f} MiB, "
-        f"{base['flops_per_device'] / 1e9:.3f} GFLOP/device, {base['step_s'] * 1e3:.0f} ms")
-  rows = []
+  rows, bases = [], {}
   for m in map(int, _MICROBATCHES.value):
+    base = bases[m] = unpipelined(m)
+    print(f"[pipeline_bench] stage=1, batch {m * MICRO}: temp "
+          f"{base['temp_bytes'] / 2**20:.2f} MiB, {base['flops_per_device'] / 1e9:.3f} "
+          f"GFLOP/device, {base['step_s'] * 1e3:.0f} ms")
     costs = {v: action_flops(v, m) for v in (1, 2)}
     for schedule in _SCHEDULES.value:
       virtual = 2 if schedule == "interleaved_1f1b" else 1
@@ -195,9 +199,9 @@ def main(argv):
             f"{100 * row['recompute_share']:.1f}% + embedding every tick "
             f"{100 * row['embedding_share']:.1f}%; within: {row['within_accounting']}), "
             f"bubble {row['bubble_fraction']:.3f}, {row['step_s'] * 1e3:.0f} ms/step")
-  path = results.write_record("pipeline_bench", {"unpipelined": base, "pipelined": rows},
+  path = results.write_record("pipeline_bench", {"unpipelined_by_m": bases, "pipelined": rows},
                               out_dir=_OUT_DIR.value, extra={
-      "setup": f"{LAYERS} layers, hidden 64, seq 64, vocab 256, batch {BATCH}; pipelined: "
+      "setup": f"{LAYERS} layers, hidden 64, seq 64, vocab 256, batch {MICRO} * m; pipelined: "
                f"stage={STAGES}, tensor={TENSOR}; unpipelined: stage=1, tensor={TENSOR}",
       "flops_note": "pipelined FLOPs are summed over the table's ticks from XLA's cost of each "
                     "action compiled alone (XLA's cost analysis counts a while body once); "
