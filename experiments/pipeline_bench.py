@@ -2,7 +2,7 @@ r"""Pipeline step vs the unpipelined step: compiled temp memory, FLOPs and wall 
 
   python -m experiments.pipeline_bench            # 8 simulated CPU devices; writes results/
 
-For m in {4, 8, 16, 32} microbatches of 2 sequences each (the batch grows with m, as it does when
+For m in {4, 8, 16, 32} microbatches of 8 sequences each (the batch grows with m, as it does when
 a run adds microbatches to fill the pipeline) and each schedule (stage=4, tensor=2, 8 layers;
 interleaved with 2 chunks per stage), and the unpipelined step (stage=1, tensor=2) on the same
 batch:
@@ -33,13 +33,14 @@ _SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b"
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per configuration.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
 
-STAGES, TENSOR, LAYERS, MICRO = 4, 2, 8, 2   # MICRO: sequences per microbatch
+STAGES, TENSOR, LAYERS, MICRO = 4, 2, 8, 8   # MICRO: sequences per microbatch
+SEQ, HIDDEN = 128, 64   # activations (stashed per microbatch) large next to the parameters
 
 
 def _model_config(scan_layers=True):
   from mscale_jax.config import ModelConfig
-  return ModelConfig(vocab_size=256, num_layers=LAYERS, hidden=64, num_heads=4, mlp_dim=256,
-                     seq_len=64, scan_layers=scan_layers)
+  return ModelConfig(vocab_size=256, num_layers=LAYERS, hidden=HIDDEN, num_heads=4,
+                     mlp_dim=4 * HIDDEN, seq_len=SEQ, scan_layers=scan_layers)
 
 
 def _time(fn, *args):
@@ -66,7 +67,7 @@ def _setup(stages, batch_size, scan_layers=True):
   with nnx.use_eager_sharding(False):
     params = nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(0)), nnx.Param))
   rng = np.random.default_rng(0)
-  batch = {k: rng.integers(0, 256, (batch_size, 64)).astype(np.int32)
+  batch = {k: rng.integers(0, 256, (batch_size, SEQ)).astype(np.int32)
            for k in ("inputs", "targets")}
   return config, mesh, graphdef, params, names, batch
 
@@ -101,7 +102,7 @@ def action_flops(virtual, microbatches):
   shared = {k: v for k, v in params.items() if k != "blocks"}
   layer = jax.tree.map(lambda a: a[:1], params["blocks"])          # one layer
   tokens = batch["inputs"][:rows]
-  x = jnp.zeros((rows, 64, 64), jnp.float32)
+  x = jnp.zeros((rows, SEQ, HIDDEN), jnp.float32)
 
   def model(cp, sp):
     return nnx.merge(graphdef, {**sp, "blocks": cp})
@@ -201,7 +202,8 @@ def main(argv):
             f"bubble {row['bubble_fraction']:.3f}, {row['step_s'] * 1e3:.0f} ms/step")
   path = results.write_record("pipeline_bench", {"unpipelined_by_m": bases, "pipelined": rows},
                               out_dir=_OUT_DIR.value, extra={
-      "setup": f"{LAYERS} layers, hidden 64, seq 64, vocab 256, batch {MICRO} * m; pipelined: "
+      "setup": f"{LAYERS} layers, hidden {HIDDEN}, seq {SEQ}, vocab 256, batch {MICRO} * m; "
+               f"pipelined: "
                f"stage={STAGES}, tensor={TENSOR}; unpipelined: stage=1, tensor={TENSOR}",
       "flops_note": "pipelined FLOPs are summed over the table's ticks from XLA's cost of each "
                     "action compiled alone (XLA's cost analysis counts a while body once); "
