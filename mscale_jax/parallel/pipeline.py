@@ -80,18 +80,17 @@ class Plan:
   inbox_slots: int
 
 
-def _assign(intervals):
-  """Greedy slots for [start, end] intervals (sorted by start): returns slots and count."""
-  free, busy_until, slots = [], [], {}
-  for key, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
-    slot = next((k for k in free if busy_until[k] < start), None)
-    if slot is None:
-      slot = len(busy_until)
-      busy_until.append(end)
-      free.append(slot)
-    busy_until[slot] = end
+def _assign(lifetimes: dict) -> tuple[dict, int]:
+  """Buffer slots for {key: (first tick, last tick)}: a slot is reused once its last tick has
+  passed. Greedy by first tick, so as few slots as lifetimes ever overlap. (slots, count)."""
+  last_tick, slots = [], {}
+  for key, (start, end) in sorted(lifetimes.items(), key=lambda kv: kv[1]):
+    slot = next((k for k, busy in enumerate(last_tick) if busy < start), len(last_tick))
+    if slot == len(last_tick):
+      last_tick.append(end)
+    last_tick[slot] = end
     slots[key] = slot
-  return slots, max(len(busy_until), 1)
+  return slots, max(len(last_tick), 1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -111,13 +110,14 @@ def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
     action = schedule_lib.Action(msg.kind, msg.microbatch, msg.chunk)
     arrivals[(msg.dst, action)] = msg
     uses[(msg.dst, action)] = (msg.ready, table.tick_of(msg.dst, action))
-  inbox_slots = 1
+  inbox_slots = stash_slots = 1
   for s in range(p):
     inbox, count = _assign({k: span for k, span in uses.items() if k[0] == s})
     inbox_slots = max(inbox_slots, count)
-    stash, _ = _assign({a: (t, table.tick_of(s, schedule_lib.Action("B", a.microbatch,
+    stash, count = _assign({a: (t, table.tick_of(s, schedule_lib.Action("B", a.microbatch,
                                                                       a.chunk)))
                         for a, t in zip(table.orders[s], table.starts[s]) if a.kind == "F"})
+    stash_slots = max(stash_slots, count)       # the table's peak in-flight count
     for action, t in zip(table.orders[s], table.starts[s]):
       first, last = (s, action.chunk) == (0, 0), (s, action.chunk) == (p - 1, v - 1)
       f = fields
@@ -139,7 +139,7 @@ def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
   # Ticks that receive nothing file the ring's payload into a spare last slot.
   for name in ("recv_f", "recv_b"):
     fields[name][fields[name] < 0] = inbox_slots
-  return Plan(table, fields, max(table.peak_inflight), inbox_slots)
+  return Plan(table, fields, stash_slots, inbox_slots)
 
 
 def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtual: int,
