@@ -2,7 +2,7 @@ r"""Pipeline step vs the unpipelined step: compiled temp memory, FLOPs and wall 
 
   python -m experiments.pipeline_bench            # 8 simulated CPU devices; writes results/
 
-For m in {4, 8, 16, 32} microbatches of 8 sequences each (the batch grows with m, as it does when
+For m in {4, 8, 16, 32} microbatches of 2 sequences each (the batch grows with m, as it does when
 a run adds microbatches to fill the pipeline) and each schedule (stage=4, tensor=2, 8 layers;
 interleaved with 2 chunks per stage), and the unpipelined step (stage=1, tensor=2) on the same
 batch:
@@ -33,7 +33,7 @@ _SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b"
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per configuration.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
 
-STAGES, TENSOR, LAYERS, MICRO = 4, 2, 8, 8   # MICRO: sequences per microbatch
+STAGES, TENSOR, LAYERS, MICRO = 4, 2, 8, 2   # MICRO: sequences per microbatch
 SEQ, HIDDEN = 128, 64   # activations (stashed per microbatch) large next to the parameters
 
 

@@ -20,7 +20,8 @@ can be used at tick t+1; 1 means it is sent while tick t+1 computes and used fro
 Orders:
   gpipe              all forwards, then all backwards (with v > 1 every microbatch through a
                      chunk before the next chunk, as circular pipelines do);
-  1f1b               p - s - 1 warm-up forwards, then one forward / one backward, then cool-down;
+  1f1b               p - s - 1 warm-up forwards (twice that with a tick of latency), then one
+                     forward / one backward in turn, then the remaining backwards;
   interleaved_1f1b   Megatron's: (p - s - 1) * 2 + (v - 1) * p warm-up forwards, microbatches in
                      groups of p per chunk, backwards from the last chunk down.
 """
