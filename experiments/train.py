@@ -50,7 +50,7 @@ def dry_run(config) -> dict:
   from mscale_jax.train import abstract_model
   import jax
   requested = {axis: max(getattr(config.mesh, axis), 1) for axis in MESH_AXES}
-  mesh_shape = validate(config, math.prod(requested.values()), allow_pipeline=True)
+  mesh_shape = validate(config, math.prod(requested.values()))
   _, params, names = abstract_model(config.model)
   leaves = jax.tree.leaves(params)
   name_leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))

@@ -39,15 +39,21 @@ class Checkpointer:
     """The newest complete checkpoint's step, or None (half-written ones do not count)."""
     return self._manager.latest_step()
 
-  def save(self, step: int, state, data_state: dict, config: Config) -> None:
-    """Starts saving step `step` (returns once the arrays are copied off the devices)."""
+  def save(self, step: int, state, data_state: dict, config: Config, *,
+           layer_layout: tuple[int, int] = (1, 1)) -> None:
+    """Starts saving step `step` (returns once the arrays are copied off the devices).
+
+    `layer_layout` (pipeline stages, virtual stages) names the order of the stacked layers
+    (`parallel.pipeline.layer_order`), so another layout can restore them.
+    """
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave({"model": dataclasses.asdict(config.model),
                                 "optimizer": dataclasses.asdict(config.optimizer),
                                 "data": dataclasses.asdict(config.data),
-                                "train_steps": config.train.steps})))
+                                "train_steps": config.train.steps,
+                                "layer_layout": list(layer_layout)})))
 
   def check_compatible(self, step: int, config: Config) -> None:
     """Raises ConfigError if checkpoint `step` was written by another model shape or optimizer.
@@ -84,6 +90,10 @@ class Checkpointer:
     """The configs saved with `step`: {'model', 'optimizer', 'train_steps'} (and 'data')."""
     return self._manager.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore()))["meta"]
+
+  def layer_layout(self, step: int) -> tuple[int, int]:
+    """(stages, virtual stages) whose layer order checkpoint `step` holds ((1, 1): natural)."""
+    return tuple(self.restore_meta(step).get("layer_layout", (1, 1)))
 
   def restore_data_state(self, step: int) -> dict:
     """The data iterator's state saved with `step`."""

@@ -23,6 +23,7 @@ OPTIMIZERS = ("adamw", "lamb", "lamb_fused")
 DATA_KINDS = ("stdlib", "tokens", "synthetic")
 TOKEN_DTYPES = ("uint16", "uint32")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")   # parallel/schedule.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,21 @@ def _fixed_product(sizes: dict[str, int]) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """Pipeline parallelism over mesh.stage (read by `parallel/pipeline.py` when stage > 1).
+
+  Each data shard's batch is cut into `microbatches`; each stage holds `virtual_stages` model
+  chunks (Megatron's interleaving: chunk c of stage s is the (c * stage + s)-th slice of the
+  layers). `overlap` sends a tick's outputs while the next tick computes (MegaScale's PP
+  overlap; costs a tick of latency per hop, see the schedule module).
+  """
+  schedule: str = "1f1b"
+  microbatches: int = 4
+  virtual_stages: int = 1
+  overlap: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
   """Optimizer, warmup + cosine schedule, clipping and weight decay (read by `optim.py`)."""
   name: str = "lamb"
@@ -147,6 +163,7 @@ class Config:
   name: str = "run"
   model: ModelConfig = ModelConfig()
   mesh: MeshConfig = MeshConfig()
+  pipeline: PipelineConfig = PipelineConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
@@ -201,12 +218,11 @@ def _divides(field: str, value: int, axis: str, size: int, what: str) -> None:
     raise ConfigError(field, value, f"{what} must be divisible by mesh.{axis}={size}")
 
 
-def validate(config: Config, num_devices: int, *, platform: str | None = None,
-             allow_pipeline: bool = False) -> dict[str, int]:
+def validate(config: Config, num_devices: int, *,
+             platform: str | None = None) -> dict[str, int]:
   """Checks `config` for `num_devices` devices; returns the concrete mesh shape.
 
-  `platform` ('cpu', 'gpu', 'tpu') enables checks of platform-specific choices;
-  `allow_pipeline` admits mesh.stage > 1, for dry runs that only count memory per device.
+  `platform` ('cpu', 'gpu', 'tpu') enables checks of platform-specific choices.
 
   Raises:
     ConfigError: naming the first field whose value cannot work, and what would be valid.
@@ -269,9 +285,6 @@ def validate(config: Config, num_devices: int, *, platform: str | None = None,
                         f"a multiple of train.log_every={t.log_every}")
 
   mesh = config.mesh.shape(num_devices)
-  if mesh["stage"] != 1 and not allow_pipeline:
-    raise ConfigError("mesh.stage", mesh["stage"], "1 (pipeline parallelism is not built yet)")
-  _divides("model.num_layers", m.num_layers, "stage", mesh["stage"], "the layers")
   tp = mesh["tensor"]
   _divides("model.num_heads", m.num_heads, "tensor", tp, "attention heads")
   _divides("model.vocab_size", m.vocab_size, "tensor", tp, "the vocabulary (embedding rows)")
@@ -284,16 +297,51 @@ def validate(config: Config, num_devices: int, *, platform: str | None = None,
   if t.global_batch % batch_shards:
     raise ConfigError("train.global_batch", t.global_batch,
                       f"must be divisible by mesh.data*mesh.fsdp={batch_shards}")
+  microbatches = _check_pipeline(config, mesh)
   if m.tp_comm == "pallas":
     # The ring kernel moves whole row tiles: 8 rows of float32, 16 of bfloat16 per device.
-    rows = t.global_batch // batch_shards * m.seq_len // tp
+    rows = t.global_batch // batch_shards // microbatches * m.seq_len // tp
     tile = 8 if m.dtype == "float32" else 16
     if rows % tile:
       raise ConfigError("model.tp_comm", m.tp_comm,
-                        f"the Pallas ring needs each device's rows (batch/(data*fsdp) * "
+                        f"the Pallas ring needs each device's rows (batch/(data*fsdp)"
+                      f"{'/pipeline.microbatches' if microbatches > 1 else ''} * "
                         f"seq_len/tensor = {rows}) to be a multiple of {tile} in {m.dtype}; "
                         f"change the batch or seq_len, or use 'ppermute'")
   return mesh
+
+
+def _check_pipeline(config: Config, mesh: dict[str, int]) -> int:
+  """Pipeline fields when mesh.stage > 1; returns the microbatches per step (1 without)."""
+  p, m, t = config.pipeline, config.model, config.train
+  stages = mesh["stage"]
+  if stages == 1:
+    return 1
+  _choice("pipeline.schedule", p.schedule, PIPELINE_SCHEDULES)
+  _positive("pipeline.microbatches", p.microbatches)
+  _positive("pipeline.virtual_stages", p.virtual_stages)
+  if not m.scan_layers:
+    raise ConfigError("model.scan_layers", m.scan_layers,
+                      f"True with mesh.stage={stages}: the pipeline cuts the stacked layers")
+  if p.schedule == "1f1b" and p.virtual_stages != 1:
+    raise ConfigError("pipeline.virtual_stages", p.virtual_stages,
+                      "1 with schedule '1f1b' (use 'interleaved_1f1b' or 'gpipe' for more "
+                      "model chunks per stage)")
+  chunks = stages * p.virtual_stages
+  if m.num_layers % chunks:
+    raise ConfigError("model.num_layers", m.num_layers,
+                      f"must be divisible by mesh.stage * pipeline.virtual_stages = {stages} * "
+                      f"{p.virtual_stages} = {chunks} (layers per model chunk)")
+  if p.schedule == "interleaved_1f1b" and p.microbatches % stages:
+    raise ConfigError("pipeline.microbatches", p.microbatches,
+                      f"a multiple of mesh.stage={stages}: 'interleaved_1f1b' runs "
+                      f"microbatches in groups of one per stage")
+  per_shard = t.global_batch // (mesh["data"] * mesh["fsdp"])
+  if per_shard % p.microbatches:
+    raise ConfigError("pipeline.microbatches", p.microbatches,
+                      f"must divide each data shard's batch, train.global_batch / "
+                      f"(mesh.data * mesh.fsdp) = {per_shard}")
+  return p.microbatches
 
 
 def _check_platform_kernels(m: ModelConfig, platform: str | None) -> None:

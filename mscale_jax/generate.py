@@ -27,6 +27,7 @@ from mscale_jax.checkpoint import Checkpointer
 from mscale_jax.config import MESH_AXES, Config, ModelConfig
 from mscale_jax.errors import ConfigError
 from mscale_jax.model import GPT
+from mscale_jax.parallel import pipeline
 
 
 def one_device_mesh(devices=None):
@@ -85,7 +86,10 @@ def restore_params(checkpoint_dir: str, step: int | None = None, devices=None):
     state = checkpointer.restore(step, target)
   finally:
     checkpointer.close()
-  return config.model, state["params"], step, meta
+  # A pipelined run stores its stacked layers in pipeline order: put them back in model order.
+  params = pipeline.reorder_layers(state["params"], config.model.num_layers,
+                                   tuple(meta.get("layer_layout", (1, 1))), (1, 1))
+  return config.model, params, step, meta
 
 
 def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,

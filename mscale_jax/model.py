@@ -256,6 +256,12 @@ class GPT(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """int [batch, seq] -> float32 logits [batch, seq, vocab], batch over (data, fsdp)."""
+    return self.head(self.run_blocks(self.embed_tokens(tokens)))
+
+  # The three parts separately, for pipelines that run them on different devices.
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """int [batch, seq] -> [batch, seq, hidden] block input in the compute dtype."""
     c = self.config
     x = jnp.take(self.embed[...], tokens, axis=0)
     if c.positions == "learned":
@@ -263,8 +269,11 @@ class GPT(nnx.Module):
       x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start, tokens.shape[1])[None]
     if hasattr(self, "cache_index"):
       self.cache_index[...] += tokens.shape[1]
-    x = constrain(x.astype(c.dtype), RESIDUAL)
-    x = self._run_blocks(x)
+    return constrain(x.astype(c.dtype), RESIDUAL)
+
+  def head(self, x: jax.Array) -> jax.Array:
+    """Final norm and unembedding: [batch, seq, hidden] -> float32 [batch, seq, vocab]."""
+    c = self.config
     x = self.final_norm(x)
     unembed = self.embed[...].T if c.tie_embeddings else self.unembed[...]
     logits = jnp.einsum("bsd,dv->bsv", x, unembed.astype(c.dtype),
@@ -286,7 +295,9 @@ class GPT(nnx.Module):
         block.attn.init_cache(batch, capacity)
     self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
-  def _run_blocks(self, x: jax.Array) -> jax.Array:
+  def run_blocks(self, x: jax.Array) -> jax.Array:
+    """Applies the stacked blocks in order (all of them, or the chunk the model was merged
+    with): [batch, seq, hidden] -> same."""
     c = self.config
 
     def apply(block: Block, x: jax.Array) -> jax.Array:

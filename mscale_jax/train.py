@@ -6,6 +6,7 @@ optimizer state is sharded exactly like the parameters. Every logged step goes t
 bar, to TensorBoard event files and to `WORKDIR/metrics.jsonl`.
 """
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from mscale_jax import optim
 from mscale_jax.checkpoint import Checkpointer, abstract_like
 from mscale_jax.config import Config, ModelConfig, validate
 from mscale_jax.model import GPT, count_params
+from mscale_jax.parallel import pipeline
 
 log = logging.getLogger("mscale_jax")
 
@@ -86,6 +88,9 @@ class Trainer:
     self.show_progress = show_progress
     mesh_shape = validate(config, len(self.devices), platform=self.devices[0].platform)
     self.mesh = mesh_lib.make_mesh(mesh_shape, self.devices)
+    # Block parameters are stored in the pipeline's layer order (identity without one).
+    stages = mesh_shape["stage"]
+    self.layer_layout = (stages, config.pipeline.virtual_stages if stages > 1 else 1)
     self.corpus = data_lib.load_corpus(config.data, config.model.vocab_size)
     t = config.train
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
@@ -122,14 +127,15 @@ class Trainer:
       self.train_iter.set_state(self.checkpointer.restore_data_state(self.resume_step))
     self._train_step = jax.jit(self._step, donate_argnums=0,
                                out_shardings=(self.state_shardings, None))
-    self._eval_loss = jax.jit(lambda params, batch: loss_fn(params, self.graphdef, batch))
+    self._eval_loss = jax.jit(lambda params, batch: loss_fn(self._natural_order(params),
+                                                            self.graphdef, batch))
 
   # -- state ---------------------------------------------------------------------------------
 
   def _fresh_state(self):
     with nnx.use_eager_sharding(False):
       model = GPT(self.config.model, rngs=nnx.Rngs(self.config.train.seed))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = self._pipeline_order(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "opt_state": self.tx.init(params)}
 
@@ -149,13 +155,37 @@ class Trainer:
     with jax.set_mesh(self.mesh):
       target = abstract_like(jax.eval_shape(self._fresh_state), self.state_shardings)
     state = self.checkpointer.restore(step, target)
+    saved_layout = self.checkpointer.layer_layout(step)
+    if saved_layout != self.layer_layout:
+      # Written by another pipeline layout: move the layers to this one's order.
+      with jax.set_mesh(self.mesh):
+        state = jax.jit(functools.partial(self._pipeline_order, source=saved_layout),
+                        out_shardings=self.state_shardings)(state)
+      log.info("moved the checkpoint's layers from pipeline layout (stage, virtual) = %s to %s",
+               saved_layout, self.layer_layout)
     log.info("resumed from %s at step %d", self.checkpointer.directory, step)
     return state, int(step)
+
+  def _pipeline_order(self, tree, source=(1, 1)):
+    """`tree`'s block leaves moved from `source`'s layer order to this run's."""
+    return pipeline.reorder_layers(tree, self.config.model.num_layers, source,
+                                   self.layer_layout)
+
+  def _natural_order(self, params):
+    return pipeline.reorder_layers(params, self.config.model.num_layers, self.layer_layout,
+                                   (1, 1))
 
   # -- steps ---------------------------------------------------------------------------------
 
   def _step(self, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], self.graphdef, batch)
+    if self.layer_layout[0] > 1:
+      p = self.config.pipeline
+      loss, grads = pipeline.value_and_grad(
+          state["params"], self.graphdef, batch, schedule=p.schedule,
+          stages=self.layer_layout[0], virtual=p.virtual_stages, microbatches=p.microbatches,
+          overlap=p.overlap)
+    else:
+      loss, grads = jax.value_and_grad(loss_fn)(state["params"], self.graphdef, batch)
     updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
@@ -218,7 +248,8 @@ class Trainer:
           bar.write(_format_record(record, t.steps))
         interval_steps = 0
       if done % t.checkpoint_every == 0 or done == end:
-        self.checkpointer.save(done, state, self.train_iter.get_state(), cfg)
+        self.checkpointer.save(done, state, self.train_iter.get_state(), cfg,
+                               layer_layout=self.layer_layout)
       if interval_steps == 0:
         # Evaluation and checkpoint saves fall on logged steps (validate() ensures it), so
         # restarting the clock here keeps them out of the throughput.
@@ -274,7 +305,9 @@ class Trainer:
         "mean_tokens_per_s": mean_tps,
         "flops_per_token": self.flops_per_token,
         "flops_formula": "Megatron-LM: 72 l h^2 (1 + s/(6h) + V/(16 l h)), no recomputation "
-                         "(mscale_jax.flops.model_flops_per_token)",
+                         "(mscale_jax.flops.model_flops_per_token)" + (
+                             "; the pipeline's backward recomputes each chunk's forward, "
+                             "work this count leaves out" if self.layer_layout[0] > 1 else ""),
         "mfu": mean_tps * self.flops_per_token / peak.flops,
         "peak_flops": peak.flops,
         "peak_source": peak.source,

@@ -41,6 +41,9 @@ def test_trains_a_few_steps_end_to_end(tmp_path):
     (["--config.model.num_heads=6", "--config.model.hidden=96"], "model.num_heads=6"),
     (["--config.data.kind=tokens", "--config.data.path=/no/such/file"], "data.path="),
     (["--config.model.attention_window=0"], "model.attention_window=0"),
+    (["--config.mesh.stage=2", "--config.mesh.tensor=2", "--config.model.num_layers=4",
+      "--config.pipeline.schedule=interleaved_1f1b", "--config.pipeline.virtual_stages=2",
+      "--config.pipeline.microbatches=3"], "pipeline.microbatches=3"),
 ])
 def test_bad_config_is_one_line_and_exit_2(args, field, tmp_path):
   result = run_train(*args, f"--workdir={tmp_path}", timeout=120)

@@ -168,8 +168,7 @@ def test_paper_table1_shapes(name, layers, hidden, heads, stage, gpus):
   assert (m.seq_len, m.vocab_size, m.block, m.remat) == (2048, 64000, "parallel", "full")
   assert config.mesh.shape(gpus) == {"data": gpus // (8 * stage), "fsdp": 1, "stage": stage,
                                      "tensor": 8}
-  # Pipeline parallelism is for the dry run only; validate() says so.
-  _raises(config, gpus, "mesh.stage", stage, "pipeline")
+  assert validate(config, gpus)["stage"] == stage
 
 
 def _parse(*overrides: str, config: str = "gpt_tiny"):
@@ -270,7 +269,55 @@ def test_pallas_ring_needs_whole_row_tiles():
   _raises(config, 8, "model.tp_comm", "pallas", "multiple of 8")
 
 
-def test_dry_run_layers_must_divide_into_stages():
+def test_layers_must_divide_into_stages():
   config = Config().replace(model={"num_layers": 5}, mesh={"data": 1, "stage": 2})
   with pytest.raises(ConfigError, match="model.num_layers=5"):
-    validate(config, 2, allow_pipeline=True)
+    validate(config, 2)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def _pipelined(**pipeline):
+  return Config().replace(model=dict(num_layers=4), mesh=dict(data=2, stage=2, tensor=2),
+                          train=dict(global_batch=8), pipeline=pipeline)
+
+
+def test_pipeline_config_is_valid_on_8_devices():
+  assert validate(_pipelined(schedule="interleaved_1f1b", virtual_stages=2, microbatches=4),
+                  8) == {"data": 2, "fsdp": 1, "stage": 2, "tensor": 2}
+
+
+def test_layers_not_divisible_by_stages_times_virtual():
+  _raises(_pipelined(schedule="interleaved_1f1b", virtual_stages=4, microbatches=2), 8,
+          "model.num_layers", 4, "mesh.stage * pipeline.virtual_stages", "8")
+
+
+def test_interleaved_needs_microbatches_a_multiple_of_stages():
+  _raises(_pipelined(schedule="interleaved_1f1b", virtual_stages=2, microbatches=1), 8,
+          "pipeline.microbatches", 1, "multiple of mesh.stage=2")
+
+
+def test_microbatches_must_divide_the_per_shard_batch():
+  _raises(_pipelined(schedule="1f1b", microbatches=3), 8, "pipeline.microbatches", 3,
+          "data shard's batch", "4")
+
+
+@pytest.mark.parametrize("pipeline,field,value,words", [
+    (dict(schedule="zero_bubble"), "pipeline.schedule", "zero_bubble", ("interleaved_1f1b",)),
+    (dict(schedule="1f1b", virtual_stages=2, microbatches=2), "pipeline.virtual_stages", 2,
+     ("interleaved_1f1b",)),
+    (dict(microbatches=0), "pipeline.microbatches", 0, ("positive",)),
+])
+def test_schedule_that_cannot_run_the_stages(pipeline, field, value, words):
+  _raises(_pipelined(**pipeline), 8, field, value, *words)
+
+
+def test_pipeline_needs_stacked_layers():
+  config = _pipelined(schedule="1f1b", microbatches=2).replace(model=dict(scan_layers=False))
+  _raises(config, 8, "model.scan_layers", False, "stacked layers")
+
+
+def test_pipeline_fields_are_ignored_without_stages():
+  config = Config().replace(pipeline=dict(schedule="zero_bubble", microbatches=3))
+  assert validate(config, 8)["stage"] == 1

@@ -4,7 +4,8 @@ r"""MegaScale's 175B model (paper Table 1) on 256 GPUs: TP=8, PP=8, DP=4; for th
 
 The dry run prints parameter count, FLOPs per token and per-device memory from jax.eval_shape on
 this mesh, allocating nothing. Table 1's shape and parallelism with the Table 2 global batch of
-768; Table 1's 6 virtual stages per pipeline rank and the SWA window (not given) are not fields.
+768, interleaved 1F1B with Table 1's 6 virtual stages per pipeline rank and micro-batches of one
+sequence (192 per pipeline); the SWA window is not given.
 """
 from experiments.configs import base
 
@@ -26,6 +27,10 @@ def get_config():
   config.mesh.data = 4
   config.mesh.stage = 8
   config.mesh.tensor = 8
+
+  config.pipeline.schedule = "interleaved_1f1b"
+  config.pipeline.virtual_stages = 6
+  config.pipeline.microbatches = 192
 
   config.optimizer.name = "lamb"
 

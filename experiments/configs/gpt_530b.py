@@ -4,7 +4,9 @@ r"""MegaScale's 530B model (paper Table 1) on 2240 GPUs: TP=8, PP=35, DP=8; for 
 
 The dry run prints parameter count, FLOPs per token and per-device memory from jax.eval_shape on
 this mesh, allocating nothing. Table 1's shape and parallelism; the paper's 530B batch is not in
-our summary, so 1920 (MT-NLG's); Table 1's 3 virtual stages and the SWA window are not fields.
+our summary, so 1920 (MT-NLG's); 1F1B with micro-batches of one sequence (240 per pipeline).
+Table 1's 3 virtual stages would need interleaved 1F1B, whose micro-batch count must be a
+multiple of the 35 stages, and 240 is not; the SWA window is not given.
 """
 from experiments.configs import base
 
@@ -26,6 +28,9 @@ def get_config():
   config.mesh.data = 8
   config.mesh.stage = 35
   config.mesh.tensor = 8
+
+  config.pipeline.schedule = "1f1b"
+  config.pipeline.microbatches = 240
 
   config.optimizer.name = "lamb"
 

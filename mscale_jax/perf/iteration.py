@@ -11,6 +11,7 @@ import dataclasses
 
 from mscale_jax.errors import ConfigError
 from mscale_jax.flops import megatron_flops_per_token, mfu
+from mscale_jax.parallel import schedule
 from mscale_jax.perf import comm, compute, layer, scale
 from mscale_jax.perf.constants import DEFAULT, Constants
 from mscale_jax.perf.hardware import Hardware
@@ -104,7 +105,9 @@ def _predict_with(model, layout, tech, recompute, hw, c, dtype, memory):
   # asynchronous transfers hide behind the next chunk; only the pipeline fill and drain wait.
   pp_per_mb = 0.0 if (tech.pp_overlap or p == 1) else 2 * v * hop
   stage_s = slowest.total + pp_per_mb
-  bubble = (p - 1) / v * stage_s
+  # Idle ticks of the schedule table (parallel/schedule.py); a tick is one chunk's forward or
+  # backward, half of a micro-batch's time through one of the v chunks.
+  bubble = schedule.megatron_summary(p, v, m)[0] * stage_s / (2 * v)
   if tech.pp_overlap:
     bubble += 2 * (p - 1) * hop
   steady = m * stage_s

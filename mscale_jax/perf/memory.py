@@ -1,6 +1,7 @@
 """Memory per device: parameters, gradients, optimizer state, activations, and the OOM verdict."""
 import dataclasses
 
+from mscale_jax.parallel import schedule
 from mscale_jax.perf.constants import Constants
 from mscale_jax.perf.workload import Layout, ModelSpec, Techniques
 
@@ -55,11 +56,11 @@ def memory_per_device(model: ModelSpec, layout: Layout, tech: Techniques, recomp
                       capacity: float, c: Constants) -> Memory:
   """Memory of a first-stage device (it stashes the most micro-batches in 1F1B)."""
   n = params_per_device(model, layout)
-  # Interleaved 1F1B stashes pp micro-batches' worth of every layer on the first stage, plus
-  # (pp-1)/(pp*vpp) more for the extra warm-up chunks (Korthikanti et al., section 4.2.3).
-  inflight = 1.0 + (layout.pp - 1) / (layout.pp * layout.vpp) if layout.vpp > 1 else 1.0
-  inflight *= min(layout.num_micro_batches, layout.pp) / layout.pp
-  inflight_layers = model.num_layers * inflight
+  # The first stage's peak of stashed chunk inputs in the schedule table (parallel/schedule.py),
+  # each num_layers / (pp * vpp) layers of one micro-batch: pp * vpp + pp - 1 of them in
+  # interleaved 1F1B (Korthikanti et al., section 4.2.3), min(m, pp) in 1F1B.
+  peak = schedule.megatron_summary(layout.pp, layout.vpp, layout.num_micro_batches)[1][0]
+  inflight_layers = model.num_layers * peak / (layout.pp * layout.vpp)
   acts = inflight_layers * activation_bytes_per_layer(model, layout, tech, recompute, c)
   if recompute == "full":
     acts += activation_bytes_per_layer(model, layout, tech, "selective", c)

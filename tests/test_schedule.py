@@ -1,0 +1,126 @@
+"""Properties of the pipeline schedule tables (mscale_jax/parallel/schedule.py), pure Python."""
+import itertools
+
+import pytest
+
+from mscale_jax.parallel import schedule as S
+
+# (schedule, stages, virtual, microbatches) over many shapes; interleaved needs p | m.
+CASES = ([("gpipe", p, v, m) for p in (2, 3, 4, 8) for v in (1, 2, 3) for m in (1, 2, 5, 8, 16)]
+         + [("1f1b", p, 1, m) for p in (2, 3, 4, 5, 8) for m in (1, 2, 3, 7, 8, 16, 33)]
+         + [("interleaved_1f1b", p, v, k * p) for p in (2, 3, 4, 8) for v in (2, 3, 4)
+            for k in (1, 2, 3, 5)])
+
+
+def _all_cases(latencies=(0, 1)):
+  return [case + (lat,) for case in CASES for lat in latencies]
+
+
+@pytest.mark.parametrize("schedule,p,v,m,latency", _all_cases())
+def test_every_pass_once_and_after_its_dependencies(schedule, p, v, m, latency):
+  table = S.build(schedule, p, v, m, latency)
+  want = {S.Action(kind, i, c) for kind in "FB" for i in range(m) for c in range(v)}
+  for s in range(p):
+    row = [a for a in table.grid[s] if a is not None]
+    assert len(row) == len(want) and set(row) == want        # each exactly once
+    for t, action in enumerate(table.grid[s]):
+      if action is None:
+        continue
+      i, c = action.microbatch, action.chunk
+      if action.kind == "B":
+        assert table.tick_of(s, S.Action("F", i, c)) < t
+      # The neighbour this pass waits for ran at least 1 + latency ticks before.
+      if action.kind == "F" and (s, c) != (0, 0):
+        src, chunk = (s - 1, c) if s else (p - 1, c - 1)
+        assert table.tick_of(src, S.Action("F", i, chunk)) + 1 + latency <= t
+      if action.kind == "B" and (s, c) != (p - 1, v - 1):
+        src, chunk = (s + 1, c) if s < p - 1 else (0, c + 1)
+        assert table.tick_of(src, S.Action("B", i, chunk)) + 1 + latency <= t
+
+
+@pytest.mark.parametrize("schedule,p,v,m,latency", _all_cases())
+def test_messages_connect_each_pass_to_its_consumer(schedule, p, v, m, latency):
+  table = S.build(schedule, p, v, m, latency)
+  received = {}
+  for msg in table.messages:
+    key = (msg.dst, S.Action(msg.kind, msg.microbatch, msg.chunk))
+    assert key not in received
+    received[key] = msg
+    assert msg.ready == msg.sent + 1 + latency
+    assert msg.ready <= table.tick_of(msg.dst, key[1])       # arrives before it is used
+  # Every forward but the model's first and every backward but its last gets one message.
+  assert len(received) == 2 * (p * v - 1) * m
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [c for c in CASES if c[2] == 1 or c[3] >= c[1]])
+def test_bubble_fraction_without_latency(schedule, p, v, m):
+  """(p-1)/(v*m) for interleaved 1F1B, (p-1)/m for 1F1B and GPipe (v=1). With v > 1 and
+  fewer microbatches than stages, chunk c+1 would wait for the wrap-around: not a case here."""
+  table = S.build(schedule, p, v, m, latency=0)
+  assert table.ticks == 2 * v * m + 2 * (p - 1)
+  assert table.bubble_fraction == pytest.approx((p - 1) / (v * m), abs=1e-12)
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [c for c in CASES
+                                                if c[0] != "gpipe" or c[3] >= 2 * c[1]])
+def test_tick_count_with_one_tick_latency(schedule, p, v, m):
+  """Overlapped sends (used one tick later) double the fill and drain: 4(p-1) idle ticks, and
+  each of interleaving's v-1 wrap-arounds (stage p-1 to stage 0) waits p more ticks."""
+  table = S.build(schedule, p, v, m, latency=1)
+  wrap = 2 * (v - 1) * p if schedule == "interleaved_1f1b" else 0
+  assert table.ticks == 2 * v * m + 4 * (p - 1) + wrap
+
+
+@pytest.mark.parametrize("p,m", list(itertools.product((2, 3, 4, 8), (1, 3, 8, 16, 32))))
+def test_peak_inflight_1f1b_at_most_p_gpipe_m(p, m):
+  one_f_one_b = S.build("1f1b", p, 1, m).peak_inflight
+  assert one_f_one_b == tuple(min(p - s, m) for s in range(p))
+  assert max(one_f_one_b) <= p
+  assert S.build("gpipe", p, 1, m).peak_inflight == (m,) * p
+  # With a tick of latency 1F1B warms up twice as deep: still independent of m.
+  assert max(S.build("1f1b", p, 1, m, latency=1).peak_inflight) <= 2 * p - 1
+
+
+@pytest.mark.parametrize("p,v", list(itertools.product((2, 4, 8), (2, 3, 4))))
+def test_interleaved_peak_matches_korthikanti(p, v):
+  """Stage 0 stashes p*v + p - 1 chunk inputs: p microbatches of all its layers plus
+  (p-1)/(p*v) more (Korthikanti et al. 2022, section 4.2.3)."""
+  for m in (2 * p, 4 * p):
+    peak = S.build("interleaved_1f1b", p, v, m).peak_inflight
+    assert peak[0] == p * v + p - 1
+    assert list(peak) == sorted(peak, reverse=True)
+
+
+@pytest.mark.parametrize("schedule,p,v", [("1f1b", 4, 1), ("1f1b", 7, 1), ("gpipe", 3, 2),
+                                          ("interleaved_1f1b", 4, 2), ("interleaved_1f1b", 5, 3)])
+@pytest.mark.parametrize("latency", [0, 1])
+def test_summary_equals_the_full_table(schedule, p, v, latency):
+  for k in (1, 2, 3, 6, 11):
+    m = k * p
+    table = S.build(schedule, p, v, m, latency)
+    assert S.summary(schedule, p, v, m, latency) == (table.idle_ticks, table.peak_inflight)
+
+
+def test_megatron_warmup_counts():
+  assert [S.warmup_forwards("interleaved_1f1b", 4, 2, 8, s) for s in range(4)] == [10, 8, 6, 4]
+  assert [S.warmup_forwards("1f1b", 4, 1, 8, s) for s in range(4)] == [3, 2, 1, 0]
+  assert S.warmup_forwards("gpipe", 4, 1, 8, 2) == 8
+
+
+@pytest.mark.parametrize("args,words", [
+    (("zero_bubble", 2, 1, 4), "one of"),
+    (("1f1b", 2, 2, 4), "virtual=1"),
+    (("interleaved_1f1b", 4, 2, 6), "multiple of 4"),
+    (("gpipe", 0, 1, 4), "positive"),
+    (("gpipe", 2, 1, 4, 2), "latency"),
+])
+def test_refuses_what_cannot_run(args, words):
+  with pytest.raises(ValueError, match=words):
+    S.build(*args)
+
+
+def test_large_tables_are_fast_enough_for_planners():
+  """The perf model asks for p up to ~35, v up to 8, m in the hundreds: summary() answers from
+  a 2p-microbatch table (no timing asserted; this only has to finish)."""
+  idle, peak = S.summary("interleaved_1f1b", 32, 8, 512)
+  assert idle == 2 * 31 and peak[0] == 32 * 8 + 31
