@@ -5,12 +5,12 @@ r"""A fault drill: the main job on 2 processes with injected faults, against a f
       --reference=runs/drill-reference                   # reuse a fault-free run
 
 Runs `experiments.launch` twice with the same flags (every step logged), once without faults
-(the reference) and once with them, then records per fault the detection latency (injection to detection), the
-diagnosis (failure kind, self-check verdicts), the restart time (detection to the first new
-step), the steps lost (replayed from the checkpoint), and for the run the effective training
-time rate (MegaScale's: iterations x iteration time / wall time, with the reference's steady
-iteration time) and whether the final loss curve equals the reference step for step. Writes a
-results/ record and a loss-curve PNG next to it.
+(the reference) and once with them, then records per fault the detection latency (injection
+to detection), the diagnosis (failure kind, self-check verdicts), the restart time (detection
+to the first new step), the steps lost (replayed from the checkpoint), and for the run the
+effective training time rate (MegaScale's: iterations x iteration time / wall time, with the
+reference's steady iteration time) and whether the final loss curve equals the reference step
+for step. Writes a results/ record and a loss-curve PNG next to it.
 """
 import json
 import os
