@@ -45,6 +45,8 @@ _HANG = flags.DEFINE_float("hang_timeout_s", 60.0, "A worker with no new step fo
 _HANG_FACTOR = flags.DEFINE_float("hang_step_factor", 20.0, "See --hang_timeout_s.")
 _STARTUP = flags.DEFINE_float("startup_timeout_s", 600.0, "Allowed time to start, restore "
                               "and compile.")
+_IO_TIMEOUT = flags.DEFINE_float("io_timeout_s", 120.0, "Allowed time for one checkpoint "
+                                 "save or evaluation (the first save sets orbax up).")
 _RESTARTS = flags.DEFINE_integer("max_restarts", 5, "Restart budget.")
 _SELF_CHECK = flags.DEFINE_bool("self_check", True, "Run the self-check diagnostics after a "
                                 "failure and exclude slots that fail them.")
@@ -149,7 +151,7 @@ def main(argv):
       coordinator_host=_HOST.value, coordinator_port=_PORT.value,
       heartbeat_port=_HEARTBEAT_PORT.value, heartbeat_s=_HEARTBEAT_S.value,
       hang_timeout_s=_HANG.value, hang_step_factor=_HANG_FACTOR.value,
-      startup_timeout_s=_STARTUP.value, max_restarts=_RESTARTS.value,
+      startup_timeout_s=_STARTUP.value, io_timeout_s=_IO_TIMEOUT.value, max_restarts=_RESTARTS.value,
       self_check=_SELF_CHECK.value, faults=tuple(faults), xla_flags=_XLA_FLAGS.value)
   if _WATCH.value:
     report = Driver(options).watch(_ATTEMPT.value)
