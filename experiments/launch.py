@@ -12,7 +12,8 @@ devices or accelerators), watches their heartbeats, and restarts the group from 
 checkpoint after a failure (mscale_jax/resilience/driver.py); its report is
 WORKDIR/resilience/report.json and worker logs are in WORKDIR/logs/. With --emit=slurm or
 --emit=kubernetes it writes a batch script / JobSet manifest to WORKDIR instead, for the
-scheduler to start the workers (JAX's cluster auto-detection joins them).
+scheduler to start the workers (JAX's cluster auto-detection joins them); those files run
+this launcher beside the workers with --watch (heartbeats only; exit 1 at the first failure).
 
 Bad input (an unknown --fault, a process count the mesh cannot use, a port in use, a
 coordinator host this machine cannot serve) prints one line and exits with status 2 before
