@@ -5,6 +5,10 @@ r"""The main job: train a GPT on a device mesh, or print what a config would nee
       --config.mesh.tensor=2 --config.model.block=sequential --config.train.steps=100
   python -m experiments.train --config=experiments/configs/gpt_175b.py --dry_run
 
+Run as one of several processes (by `experiments.launch`, Slurm or Kubernetes), it joins the
+job as the MSCALE_* environment variables say (mscale_jax/resilience/worker.py). A non-finite
+loss with train.on_nonfinite=stop exits with status 3.
+
 Outputs go to --workdir (default runs/<config>-<UTC timestamp>): metrics.jsonl, TensorBoard
 events in tensorboard/, checkpoints/ and summary.json. A workdir that holds checkpoints is
 resumed. A bad configuration prints one line and exits with status 2 before anything compiles.
@@ -34,6 +38,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default runs/<co
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print parameter count, FLOPs per token and "
                              "per-device memory from jax.eval_shape on the config's mesh; "
                              "allocate nothing.")
+_FAULTS = flags.DEFINE_multi_string("fault", [], "Inject a fault (drills and tests), e.g. "
+                                     "nan:step=60 or kill:rank=0:step=37; repeatable. See "
+                                     "mscale_jax/resilience/faults.py.")
 _RECORD = flags.DEFINE_bool("record", False, "Also write the run summary as a JSON record "
                             "to results/ (for figures the README cites).")
 
@@ -80,15 +87,19 @@ def main(argv):
   # Our own INFO lines (data, optimizer, attention choices) stay; libraries' INFO chatter goes.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("mscale_jax").setLevel(logging.INFO)
+  from mscale_jax.resilience import events, worker
   try:
     config = _config()
+    if not _DRY_RUN.value:
+      worker.initialize_distributed()
+      hooks = worker.WorkerHooks.from_env(extra_faults=_FAULTS.value)
     if _DRY_RUN.value:
       print(json.dumps(dry_run(config), indent=2))
       return
     from mscale_jax.train import Trainer
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     workdir = _WORKDIR.value or os.path.join("runs", f"{config.name}-{stamp}")
-    trainer = Trainer(config, workdir)
+    trainer = Trainer(config, workdir, hooks=hooks)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -97,11 +108,18 @@ def main(argv):
         f"{len(trainer.devices)} x {trainer.devices[0].device_kind}, mesh "
         f"{dict(trainer.mesh.shape)}; data: {trainer.corpus.description}; workdir {workdir}",
         flush=True)
+  from mscale_jax.errors import NonFiniteError
   try:
     summary = trainer.train()
   except ConfigError as e:   # raised while tracing, e.g. a kernel's block size
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except NonFiniteError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(events.EXIT_NONFINITE)
+  except Exception as e:
+    hooks.failure(events.EXCEPTION, f"{type(e).__name__}: {e}")
+    raise
   if jax.process_index() != 0:
     return
   print("[train] summary:")
@@ -111,6 +129,14 @@ def main(argv):
     if key == "mfu":
       value = f"{100 * value:.2f}% (Megatron FLOPs/token {summary['flops_per_token']:.4g})"
     print(f"  {key:18s} {value}")
+  saves = [s for s in summary["checkpoint_saves"] if s["write_s"] is not None]
+  if saves:
+    print(f"  {'checkpoint_stall':18s} {max(s['stall_s'] for s in saves):.2f} s at most, "
+          f"then {max(s['write_s'] for s in saves):.2f} s of background write "
+          f"({len(saves)} saves)")
+  if summary["nonfinite_steps"]:
+    print(f"  {'nonfinite_steps':18s} {summary['nonfinite_steps']} "
+          f"({summary['on_nonfinite']}, {summary['rollbacks']} rollbacks)")
   if _RECORD.value:
     from experiments import results
     path = results.write_record(f"train-{config.name}", summary,

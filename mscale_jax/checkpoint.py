@@ -10,10 +10,16 @@ Saves run in a background thread (the device-to-host copy happens before `save` 
 next step may overwrite donated buffers). Orbax writes into a temporary directory and renames it
 when complete, so a run killed mid-save leaves the previous checkpoint as the latest; leftover
 temporary directories are removed on the next start.
+
+Every save's two stages are timed (MegaScale's two-stage checkpointing): `stall_s`, how long
+`save` held the training loop (device-to-host copy, and waiting for a previous save still being
+written), and `write_s`, how long the background write took after that. Restores are timed too.
 """
 import dataclasses
 import logging
 import os
+import threading
+import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -29,9 +35,15 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
     self.directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=async_save,
-                                           cleanup_tmp_directories=True)
+    self.async_save = async_save
+    self.saves: list[dict] = []        # per save: {'step', 'stall_s', 'write_s'}
+    self.restore_s: float | None = None
+    self._lock = threading.Lock()
+    self._stalled_until = None
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,
+        async_options=ocp.AsyncOptions(post_finalization_callback=self._written))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "data", "meta"))
 
@@ -44,8 +56,25 @@ class Checkpointer:
     """Starts saving step `step` (returns once the arrays are copied off the devices).
 
     `layer_layout` (pipeline stages, virtual stages) names the order of the stacked layers
-    (`parallel.pipeline.layer_order`), so another layout can restore them.
+    (`parallel.pipeline.layer_order`), so another layout can restore them. How long the loop
+    was held (`stall_s`) and the background write took (`write_s`) go to `self.saves`.
     """
+    start = time.perf_counter()
+    self._save(step, state, data_state, config, layer_layout)
+    end = time.perf_counter()
+    with self._lock:
+      self.saves.append({"step": step, "stall_s": end - start,
+                         "write_s": None if self.async_save else 0.0})
+      self._stalled_until = end
+
+  def _written(self) -> None:
+    """orbax's callback once the background write of the newest save is complete."""
+    with self._lock:
+      if self.saves and self.saves[-1]["write_s"] is None:
+        self.saves[-1]["write_s"] = time.perf_counter() - self._stalled_until
+
+  def _save(self, step: int, state, data_state: dict, config: Config,
+            layer_layout: tuple[int, int]) -> None:
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
@@ -106,8 +135,11 @@ class Checkpointer:
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct`s with shardings; they may describe a
     different mesh from the one the checkpoint was saved on (orbax reshards on load).
     """
-    return self._manager.restore(step, args=ocp.args.Composite(
+    start = time.perf_counter()
+    state = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"]
+    self.restore_s = time.perf_counter() - start
+    return state
 
   def wait(self) -> None:
     """Blocks until every started save is on disk."""

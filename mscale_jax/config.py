@@ -24,6 +24,7 @@ DATA_KINDS = ("stdlib", "tokens", "synthetic")
 TOKEN_DTYPES = ("uint16", "uint32")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")   # parallel/schedule.py
+NONFINITE_POLICIES = ("stop", "skip_step", "rollback")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +156,10 @@ class TrainConfig:
   checkpoint_every: int = 50
   keep_checkpoints: int = 2
   async_checkpoint: bool = True
+  # A step with a non-finite loss or gradient norm never updates the state; then: stop (exit
+  # with status 3), skip_step (go on with the next batch) or rollback (restore the latest
+  # checkpoint and skip the batches from there through the offending one).
+  on_nonfinite: str = "stop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +277,7 @@ def validate(config: Config, num_devices: int, *,
     raise ConfigError("data.path", d.path, "a token file is required when data.kind='tokens'")
   if not 0.0 < d.heldout_fraction < 1.0:
     raise ConfigError("data.heldout_fraction", d.heldout_fraction, "a fraction in (0, 1)")
+  _choice("train.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
   for field in ("steps", "global_batch", "log_every", "eval_every", "eval_batches",
                 "checkpoint_every", "keep_checkpoints"):
     _positive(f"train.{field}", getattr(t, field))

@@ -13,3 +13,13 @@ class ConfigError(ValueError):
     self.value = value
     self.valid = valid
     super().__init__(f"{field}={value!r} is invalid: {valid}")
+
+
+class NonFiniteError(RuntimeError):
+  """Training met a non-finite loss or gradient norm and `train.on_nonfinite` says stop."""
+
+  def __init__(self, step: int, detail: str):
+    self.step = step
+    super().__init__(f"non-finite loss or gradient norm at step {step} ({detail}); no update "
+                     f"was applied and no checkpoint holds it. train.on_nonfinite='skip_step' "
+                     f"or 'rollback' would go on")

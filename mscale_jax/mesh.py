@@ -81,6 +81,22 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return named_sharding(mesh, ("batch", None))
 
 
+def process_rows(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
+  """(first, end) of the contiguous global batch rows this process's devices hold.
+
+  With the batch over (data, fsdp) and process-major device order, these are this process's
+  data-parallel rows; processes that share a batch shard (tensor parallelism across
+  processes) get the same rows.
+  """
+  indices = sharding.addressable_devices_indices_map((global_batch, 1)).values()
+  spans = sorted({(i[0].start or 0, global_batch if i[0].stop is None else i[0].stop)
+                  for i in indices})
+  for (_, end), (start, _) in zip(spans, spans[1:]):
+    if start != end:
+      raise ValueError(f"this process's batch rows {spans} are not contiguous")
+  return spans[0][0], spans[-1][1]
+
+
 def per_shard(fn, *, in_names, out_names):
   """Runs `fn` on each device's shard of its arguments, laid out by logical names.
 

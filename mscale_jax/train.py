@@ -25,10 +25,16 @@ from mscale_jax import mesh as mesh_lib
 from mscale_jax import optim
 from mscale_jax.checkpoint import Checkpointer, abstract_like
 from mscale_jax.config import Config, ModelConfig, validate
+from mscale_jax.errors import NonFiniteError
 from mscale_jax.model import GPT, count_params
 from mscale_jax.parallel import pipeline
+from mscale_jax.resilience import events
+from mscale_jax.resilience.worker import WorkerHooks
 
 log = logging.getLogger("mscale_jax")
+
+# train.on_nonfinite='rollback' gives up (NonFiniteError) after this many rollbacks in a run.
+MAX_ROLLBACKS = 3
 
 
 def abstract_model(config: ModelConfig):
@@ -81,8 +87,10 @@ class Trainer:
   checked in the constructor, before anything compiles (ConfigError).
   """
 
-  def __init__(self, config: Config, workdir: str, *, devices=None, show_progress=None):
+  def __init__(self, config: Config, workdir: str, *, devices=None, show_progress=None,
+               hooks: WorkerHooks | None = None):
     self.config = config
+    self.hooks = hooks or WorkerHooks()   # heartbeats and fault points (resilience/worker.py)
     self.workdir = os.path.abspath(workdir)
     self.devices = list(devices if devices is not None else jax.devices())
     self.show_progress = show_progress
@@ -111,16 +119,20 @@ class Trainer:
                                            transform_non_params=lambda _: replicated),
     }
     self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
+    # Each process loads only the rows its devices hold: the loader's process index/count are
+    # this process's position among the batch shards (exactly 1 process x N devices' order).
+    first_row, end_row = mesh_lib.process_rows(self.batch_sharding, t.global_batch)
+    rows_index = first_row // (end_row - first_row)
+    self._row_shards = t.global_batch // (end_row - first_row)
     m = config.model
     self.flops_per_token = flops_lib.model_flops_per_token(m)
     self.peak = peak_flops(config, self.devices)
     self.train_iter = data_lib.make_train_iterator(
         self.corpus, seq_len=m.seq_len, global_batch=t.global_batch, seed=config.data.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        prefetch=config.data.prefetch)
+        process_index=rows_index, process_count=self._row_shards, prefetch=config.data.prefetch)
     self.eval_batches = data_lib.make_eval_batches(
         self.corpus, seq_len=m.seq_len, batch_size=t.global_batch, num_batches=t.eval_batches,
-        process_index=jax.process_index(), process_count=jax.process_count())
+        process_index=rows_index, process_count=self._row_shards)
     self.resume_step = self.checkpointer.latest_step()
     if self.resume_step is not None:
       self.checkpointer.check_compatible(self.resume_step, config)
@@ -152,6 +164,12 @@ class Trainer:
     step = self.resume_step
     if step is None:
       return self.init_state(), 0
+    state = self._restore(step)
+    log.info("resumed from %s at step %d", self.checkpointer.directory, step)
+    return state, int(step)
+
+  def _restore(self, step: int):
+    """Checkpoint `step` in this run's sharding and pipeline layer order."""
     with jax.set_mesh(self.mesh):
       target = abstract_like(jax.eval_shape(self._fresh_state), self.state_shardings)
     state = self.checkpointer.restore(step, target)
@@ -163,8 +181,7 @@ class Trainer:
                         out_shardings=self.state_shardings)(state)
       log.info("moved the checkpoint's layers from pipeline layout (stage, virtual) = %s to %s",
                saved_layout, self.layer_layout)
-    log.info("resumed from %s at step %d", self.checkpointer.directory, step)
-    return state, int(step)
+    return state
 
   def _pipeline_order(self, tree, source=(1, 1)):
     """`tree`'s block leaves moved from `source`'s layer order to this run's."""
@@ -177,29 +194,39 @@ class Trainer:
 
   # -- steps ---------------------------------------------------------------------------------
 
-  def _step(self, state, batch):
+  def _step(self, state, batch, loss_scale):
+    # loss_scale is 1.0 (bitwise a no-op) except on a step a `nan` fault poisons.
     if self.layer_layout[0] > 1:
       p = self.config.pipeline
       loss, grads = pipeline.value_and_grad(
           state["params"], self.graphdef, batch, schedule=p.schedule,
           stages=self.layer_layout[0], virtual=p.virtual_stages, microbatches=p.microbatches,
           overlap=p.overlap)
+      loss, grads = loss * loss_scale, jax.tree.map(lambda g: g * loss_scale, grads)
     else:
-      loss, grads = jax.value_and_grad(loss_fn)(state["params"], self.graphdef, batch)
+      loss, grads = jax.value_and_grad(
+          lambda p: loss_fn(p, self.graphdef, batch) * loss_scale)(state["params"])
     updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # A non-finite step applies no update, so no state (and no checkpoint) ever holds one;
+    # train.on_nonfinite decides on the host what happens next.
+    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                     (params, opt_state), (state["params"], state["opt_state"]))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
                "learning_rate": self.schedule(state["step"])}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
   def device_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows -> global arrays sharded over (data, fsdp)."""
-    return {key: jax.make_array_from_process_local_data(self.batch_sharding, value)
+    return {key: jax.make_array_from_process_local_data(
+                self.batch_sharding, value, (value.shape[0] * self._row_shards,) + value.shape[1:])
             for key, value in batch.items()}
 
   def train_step(self, state, batch):
     with jax.set_mesh(self.mesh):
-      return self._train_step(state, self.device_batch(batch))
+      return self._train_step(state, self.device_batch(batch), jnp.float32(1.0))
 
   def evaluate(self, params) -> float:
     """Mean loss over the fixed held-out batches."""
@@ -212,59 +239,146 @@ class Trainer:
   def train(self, stop_at: int | None = None) -> dict:
     """Runs to `config.train.steps` (or stops after step `stop_at`, as a preempted run would).
 
-    Returns the run summary, also written to WORKDIR/summary.json.
+    Returns the run summary, also written to WORKDIR/summary.json. Each step's finiteness is
+    fetched one step late (while the next step runs), and before every log and save, so the
+    check adds no device sync; `train.on_nonfinite` then stops, skips or rolls back.
     """
-    cfg, t = self.config, self.config.train
+    cfg, t, hooks = self.config, self.config.train, self.hooks
     is_main = jax.process_index() == 0
     os.makedirs(self.workdir, exist_ok=True)
+    hooks.start(self.workdir)
+    hooks.phase(events.RESTORING)
     state, start = self.restore_or_init()
-    writer = _MetricsWriter(self.workdir, enabled=is_main)
+    writer = _MetricsWriter(self.workdir, enabled=is_main, resume_step=start)
+    hooks.phase(events.COMPILING)
     compile_start = time.perf_counter()
     with jax.set_mesh(self.mesh):
       first = self.device_batch(next(self.train_iter))
-      train_step = self._train_step.lower(state, first).compile()
+      train_step = self._train_step.lower(state, first, jnp.float32(1.0)).compile()
     compile_s = time.perf_counter() - compile_start
     log.info("compiled the train step in %.1f s", compile_s)
+    hooks.phase(events.TRAINING)
     history, timed = [], []   # timed: (steps, seconds) of each logged interval
+    self.nonfinite_steps, self.rollbacks = [], 0
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=(None if is_main else True) if self.show_progress is None
                else not self.show_progress)
     interval_start, interval_steps = time.perf_counter(), 0
     end = t.steps if stop_at is None else min(stop_at, t.steps)
-    for step in range(start, end):
-      # The batch the step was compiled with is the first step's batch.
-      batch = first if step == start else self.device_batch(next(self.train_iter))
-      state, metrics = train_step(state, batch)
-      interval_steps += 1
-      done = step + 1
-      if done % t.log_every == 0 or done == end or done == start + 1:
-        record = self._log(state, metrics, done, interval_steps, interval_start, self.peak.flops)
-        history.append(record)
-        timed.append((interval_steps, interval_steps * record["step_time_s"]))
-        writer.write(record)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                        mfu=f"{100 * record['mfu']:.2f}%")
-        if is_main:
-          bar.write(_format_record(record, t.steps))
-        interval_steps = 0
-      if done % t.checkpoint_every == 0 or done == end:
-        self.checkpointer.save(done, state, self.train_iter.get_state(), cfg,
-                               layer_layout=self.layer_layout)
-      if interval_steps == 0:
-        # Evaluation and checkpoint saves fall on logged steps (validate() ensures it), so
-        # restarting the clock here keeps them out of the throughput.
-        interval_start = time.perf_counter()
-      bar.update(1)
-    bar.close()
-    self.checkpointer.close()
-    writer.close()
-    self.train_iter.close()
+    # The batch the step was compiled with is the first step's batch.
+    step, batch, unchecked = start, first, []
+    data_pos = self.train_iter.get_state()["step"]   # global batches taken so far
+    try:
+      while step < end:
+        done = step + 1
+        hooks.injector.before_step(done)
+        wait_start = time.perf_counter()
+        if batch is None:
+          batch = self.device_batch(next(self.train_iter))
+          data_pos += 1
+        data_wait = time.perf_counter() - wait_start
+        with jax.set_mesh(self.mesh):
+          state, metrics = train_step(state, batch, jnp.float32(hooks.injector.loss_scale(done)))
+        batch = None
+        interval_steps += 1
+        logged = done % t.log_every == 0 or done == end or done == start + 1
+        saving = done % t.checkpoint_every == 0 or done == end
+        unchecked.append((done, metrics, data_wait, data_pos))
+        # Check the steps before this one now, this one too if it is logged or saved.
+        checks, unchecked = (unchecked, []) if logged or saving else (unchecked[:-1],
+                                                                      unchecked[-1:])
+        bad = self._check(checks)
+        if bad is not None and t.on_nonfinite == "rollback":
+          state, step = self._rollback(bad, writer, history)
+          data_pos = bad[1]
+          bar.n = step
+          unchecked, interval_steps, interval_start = [], 0, time.perf_counter()
+          continue
+        if logged:
+          record = self._log(state, metrics, done, interval_steps, interval_start,
+                             self.peak.flops)
+          history.append(record)
+          timed.append((interval_steps, interval_steps * record["step_time_s"]))
+          writer.write(record)
+          bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                          mfu=f"{100 * record['mfu']:.2f}%")
+          if is_main:
+            bar.write(_format_record(record, t.steps))
+          interval_steps = 0
+        if saving:
+          hooks.phase(events.CHECKPOINTING)
+          self.checkpointer.save(done, state, self.train_iter.get_state(), cfg,
+                                 layer_layout=self.layer_layout)
+          hooks.injector.after_save_started(done)
+          hooks.phase(events.TRAINING)
+        if interval_steps == 0:
+          # Evaluation and checkpoint saves fall on logged steps (validate() ensures it), so
+          # restarting the clock here keeps them out of the throughput.
+          interval_start = time.perf_counter()
+        bar.update(1)
+        step = done
+    finally:
+      bar.close()
+      self.checkpointer.close()
+      writer.close()
+      self.train_iter.close()
     summary = self._summary(history, timed, compile_s, start)
     if is_main:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    hooks.close()
     self.final_state = state
     return summary
+
+  def _check(self, checks) -> tuple[int, int] | None:
+    """Fetches the finiteness of `checks` [(step, metrics, data wait, data position)].
+
+    Reports progress; returns (step, data position after its batch) of the first non-finite
+    step (policy 'stop' raises NonFiniteError instead), or None.
+    """
+    policy = self.config.train.on_nonfinite
+    for done, metrics, data_wait, data_pos in checks:
+      finite, loss, grad_norm = jax.device_get(
+          (metrics["finite"], metrics["loss"], metrics["grad_norm"]))
+      self.hooks.progress(done, float(loss), float(grad_norm), data_wait)
+      self.hooks.injector.slow_down(done)
+      if finite:
+        continue
+      detail = f"loss {float(loss)}, gradient norm {float(grad_norm)}"
+      self.nonfinite_steps.append(done)
+      self.hooks.nonfinite(done)
+      if policy == "stop":
+        self.hooks.failure(events.NONFINITE, detail, step=done)
+        raise NonFiniteError(done, detail)
+      log.warning("step %d: %s; its update was not applied (%s)", done, detail, policy)
+      if policy == "rollback":
+        return done, data_pos
+    return None
+
+  def _rollback(self, bad: tuple[int, int], writer, history) -> tuple[dict, int]:
+    """(state, step) of the latest checkpoint (or a fresh start), with the data moved past
+    the offending batch; the logs of the abandoned steps are dropped."""
+    bad_step, data_pos = bad
+    self.checkpointer.wait()
+    step = self.checkpointer.latest_step() or 0
+    self.rollbacks += 1
+    if self.rollbacks > MAX_ROLLBACKS:
+      self.hooks.failure(events.NONFINITE, f"{self.rollbacks - 1} rollbacks", step=bad_step)
+      raise NonFiniteError(bad_step, f"still non-finite after {MAX_ROLLBACKS} rollbacks")
+    self.hooks.phase(events.RESTORING)
+    if step:
+      state = self._restore(step)
+    else:
+      state = self.init_state()
+    data_state = self.train_iter.get_state()
+    self.train_iter.set_state({**data_state, "step": data_pos})
+    log.warning("rolled back to step %d; the data goes on after step %d's batch",
+                step, bad_step)
+    writer.rewind(step)
+    history[:] = [r for r in history if r["step"] <= step]
+    self.hooks.rewind(step)
+    self.hooks.phase(events.TRAINING)
+    return state, step
 
   def _log(self, state, metrics, step: int, steps: int, since: float, peak: float) -> dict:
     """The record of one logged step: metrics of `step`, throughput of the `steps` since `since`.
@@ -281,7 +395,9 @@ class Trainer:
               "mfu": tokens_per_s * self.flops_per_token / peak}
     t = self.config.train
     if step % t.eval_every == 0 or step == t.steps:
+      self.hooks.phase(events.EVALUATING)
       record["eval_loss"] = self.evaluate(state["params"])
+      self.hooks.phase(events.TRAINING)
     return record
 
   def _summary(self, history, timed, compile_s: float, start: int) -> dict:
@@ -317,6 +433,12 @@ class Trainer:
         "metrics": os.path.join(self.workdir, "metrics.jsonl"),
         "tensorboard": os.path.join(self.workdir, "tensorboard"),
         "checkpoints": self.checkpointer.directory,
+        "nonfinite_steps": self.nonfinite_steps,
+        "on_nonfinite": self.config.train.on_nonfinite,
+        "rollbacks": self.rollbacks,
+        # Per save: seconds the loop was blocked, then seconds of background write.
+        "checkpoint_saves": self.checkpointer.saves,
+        "restore_s": self.checkpointer.restore_s,
     }
 
 
@@ -330,14 +452,37 @@ def _format_record(r: dict, total: int) -> str:
 
 
 class _MetricsWriter:
-  """metrics.jsonl (one JSON object per logged step) and TensorBoard scalars."""
+  """metrics.jsonl (one JSON object per logged step) and TensorBoard scalars.
 
-  def __init__(self, workdir: str, enabled: bool):
+  A run resumed (or rolled back) at step N replays the steps after N: their records from the
+  lost run are dropped from metrics.jsonl, and TensorBoard is told to purge events from step
+  N + 1 on, so each step appears once.
+  """
+
+  def __init__(self, workdir: str, enabled: bool, resume_step: int = 0):
     self.enabled = enabled
+    self.workdir = workdir
     if enabled:
-      from tensorboardX import SummaryWriter
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._open(resume_step)
+
+  def _open(self, resume_step: int) -> None:
+    from tensorboardX import SummaryWriter
+    path = os.path.join(self.workdir, "metrics.jsonl")
+    if os.path.exists(path):
+      with open(path) as f:
+        kept = [line for line in f if _step_of(line) <= resume_step]
+      with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+      os.replace(path + ".tmp", path)
+    self._jsonl = open(path, "a")
+    self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"),
+                             purge_step=resume_step + 1 if resume_step else None)
+
+  def rewind(self, step: int) -> None:
+    """Forgets every record after `step` (the run went back there)."""
+    if self.enabled:
+      self.close()
+      self._open(step)
 
   def write(self, record: dict) -> None:
     if not self.enabled:
@@ -352,3 +497,11 @@ class _MetricsWriter:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
+
+
+def _step_of(line: str) -> float:
+  """The step of a metrics.jsonl line; infinity for a torn line (a kill mid-write)."""
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError):
+    return float("inf")

@@ -1,0 +1,169 @@
+r"""Multi-process training under MegaScale's robust-training driver, or its cluster job files.
+
+  python -m experiments.launch --num_processes=2 --devices_per_process=4 -- \
+      --config=experiments/configs/gpt_tiny.py --config.train.steps=100
+  python -m experiments.launch --num_processes=2 --fault=kill:rank=1:step=37 \
+      --fault=hang:rank=0:step=60 --hang_timeout_s=20 -- --config.train.checkpoint_every=20
+  python -m experiments.launch --emit=slurm --num_processes=16 --devices_per_process=8 -- ...
+
+Flags before `--` are the launcher's; those after it are experiments.train's, passed to every
+worker. Locally the driver starts the workers (one JAX process each, with its own simulated CPU
+devices or accelerators), watches their heartbeats, and restarts the group from the latest
+checkpoint after a failure (mscale_jax/resilience/driver.py); its report is
+WORKDIR/resilience/report.json and worker logs are in WORKDIR/logs/. With --emit=slurm or
+--emit=kubernetes it writes a batch script / JobSet manifest to WORKDIR instead, for the
+scheduler to start the workers (JAX's cluster auto-detection joins them); those files run
+this launcher beside the workers with --watch (heartbeats only; exit 1 at the first failure).
+
+Bad input (an unknown --fault, a process count the mesh cannot use, a port in use, a
+coordinator host this machine cannot serve) prints one line and exits with status 2 before
+anything is started or written.
+"""
+import datetime
+import os
+import signal
+import socket
+import sys
+
+from absl import app, flags
+
+from mscale_jax.errors import ConfigError
+
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Worker processes (JAX processes).")
+_DEVICES = flags.DEFINE_integer("devices_per_process", 4, "Devices per process (simulated "
+                                "CPU devices locally; accelerators per host on a cluster).")
+_SPARES = flags.DEFINE_integer("spare_slots", 0, "Extra slots that replace ones failing "
+                               "their self-check (without spares the job shrinks).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder (default runs/<config>-<time>).")
+_HOST = flags.DEFINE_string("coordinator_host", "127.0.0.1", "Address of process 0's "
+                            "coordination service (and of the driver's heartbeat endpoint).")
+_PORT = flags.DEFINE_integer("coordinator_port", 0, "Coordinator port; 0 picks a free one "
+                             "for each (re)start.")
+_HEARTBEAT_PORT = flags.DEFINE_integer("heartbeat_port", 0, "Driver's heartbeat port (0: any).")
+_HEARTBEAT_S = flags.DEFINE_float("heartbeat_s", 2.0, "Seconds between worker heartbeats.")
+_HANG = flags.DEFINE_float("hang_timeout_s", 60.0, "A worker with no new step for "
+                           "max(this, hang_step_factor x step time) is hung.")
+_HANG_FACTOR = flags.DEFINE_float("hang_step_factor", 20.0, "See --hang_timeout_s.")
+_STARTUP = flags.DEFINE_float("startup_timeout_s", 600.0, "Allowed time to start, restore "
+                              "and compile.")
+_IO_TIMEOUT = flags.DEFINE_float("io_timeout_s", 120.0, "Allowed time for one checkpoint "
+                                 "save or evaluation (the first save sets orbax up).")
+_RESTARTS = flags.DEFINE_integer("max_restarts", 5, "Restart budget.")
+_SELF_CHECK = flags.DEFINE_bool("self_check", True, "Run the self-check diagnostics after a "
+                                "failure and exclude slots that fail them.")
+_FAULTS = flags.DEFINE_multi_string("fault", [], "Inject a fault (repeatable): kill:rank=R:"
+                                    "step=N[:at=save], hang:rank=R:step=N, nan:step=N, "
+                                    "exception:rank=R:step=N, slow:rank=R:factor=F, "
+                                    "bad_slot:slot=S.")
+_XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA_FLAGS for the workers.")
+_EMIT = flags.DEFINE_enum("emit", "local", ["local", "slurm", "kubernetes"], "Run locally, or "
+                          "write a Slurm batch script / Kubernetes JobSet manifest.")
+_WATCH = flags.DEFINE_bool("watch", False, "Cluster mode (used by the generated job files): "
+                           "the scheduler starts the workers; only watch their heartbeats, "
+                           "and exit 1 at the first failure detected.")
+_ATTEMPT = flags.DEFINE_integer("attempt", 0, "With --watch: which (re)start this is.")
+_IMAGE = flags.DEFINE_string("image", "mscale-jax:latest", "Container image (kubernetes).")
+
+
+def parse_train_args(args: list[str]):
+  """The Config experiments.train would build from `args` (its flags after `--`)."""
+  from ml_collections import config_flags
+  from mscale_jax.config import Config
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", "experiments/configs/gpt_tiny.py",
+                                  flag_values=values, lock_config=True)
+  try:
+    values(["train"] + list(args), known_only=True)
+  except flags.Error as e:
+    raise ConfigError("train flags", " ".join(args), str(e)) from None
+  return Config.from_dict(values.config.to_dict())
+
+
+def check_port_free(host: str, port: int, field: str) -> None:
+  """ConfigError unless this machine can listen on host:port (port 0: any port)."""
+  try:
+    with socket.socket() as s:
+      s.bind((host, port))
+  except OSError as e:
+    what = "a free port" if port else f"an address of this machine ({e.strerror})"
+    raise ConfigError(field, f"{host}:{port}" if port else host,
+                      f"{what}; the local launcher serves it here ({e.strerror})") from None
+
+
+def check_inputs(train_args: list[str]):
+  """Everything that can be wrong before anything starts; returns (config, faults)."""
+  from mscale_jax.config import validate
+  from mscale_jax.resilience.faults import parse_faults
+  faults = parse_faults(_FAULTS.value)
+  n, k = _NUM_PROCESSES.value, _DEVICES.value
+  if n < 1:
+    raise ConfigError("--num_processes", n, "a positive integer")
+  if k < 1:
+    raise ConfigError("--devices_per_process", k, "a positive integer")
+  if any(a.startswith("--workdir") for a in train_args):
+    raise ConfigError("--workdir", train_args, "give --workdir before '--' (the launcher's)")
+  config = parse_train_args(train_args)
+  try:
+    validate(config, n * k, allow_pipeline=_EMIT.value != "local")
+  except ConfigError as e:
+    if not e.field.startswith("mesh"):
+      raise
+    raise ConfigError("--num_processes", n, f"{n} processes x {k} devices do not suit the "
+                      f"configured mesh: {e}") from None
+  slots = n + _SPARES.value
+  for f in faults:
+    limit, name = (slots, "slot") if f.kind == "bad_slot" else (n, "rank")
+    if getattr(f, name) >= limit:
+      raise ConfigError("--fault", f.spec, f"a {name} below {limit}")
+  if _EMIT.value == "local" and not _WATCH.value:
+    check_port_free(_HOST.value, _PORT.value, "--coordinator_port" if _PORT.value
+                    else "--coordinator_host")
+  if _EMIT.value == "local":
+    check_port_free(_HOST.value, _HEARTBEAT_PORT.value, "--heartbeat_port")
+  return config, faults
+
+
+def main(argv):
+  train_args = argv[1:]
+  try:
+    config, faults = check_inputs(train_args)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+  workdir = os.path.abspath(_WORKDIR.value or os.path.join("runs", f"{config.name}-{stamp}"))
+  worker = [sys.executable, "-m", "experiments.train", *train_args]
+  if _EMIT.value != "local":
+    from mscale_jax.resilience import cluster
+    spec = cluster.ClusterJob(
+        name=config.name.replace("_", "-"), num_processes=_NUM_PROCESSES.value,
+        devices_per_process=_DEVICES.value, coordinator_port=_PORT.value or 1234,
+        heartbeat_port=_HEARTBEAT_PORT.value or 8470, train_args=train_args,
+        workdir=workdir, image=_IMAGE.value, faults=[f.spec for f in faults],
+        heartbeat_s=_HEARTBEAT_S.value, hang_timeout_s=_HANG.value,
+        max_restarts=_RESTARTS.value, repo=os.getcwd())
+    path = cluster.write(spec, _EMIT.value, workdir)
+    print(f"[launch] wrote {path}")
+    return
+  from mscale_jax.resilience.driver import Driver, DriverOptions
+  options = DriverOptions(
+      worker_command=worker, workdir=workdir, num_processes=_NUM_PROCESSES.value,
+      devices_per_process=_DEVICES.value, spare_slots=_SPARES.value,
+      coordinator_host=_HOST.value, coordinator_port=_PORT.value,
+      heartbeat_port=_HEARTBEAT_PORT.value, heartbeat_s=_HEARTBEAT_S.value,
+      hang_timeout_s=_HANG.value, hang_step_factor=_HANG_FACTOR.value,
+      startup_timeout_s=_STARTUP.value, io_timeout_s=_IO_TIMEOUT.value, max_restarts=_RESTARTS.value,
+      self_check=_SELF_CHECK.value, faults=tuple(faults), xla_flags=_XLA_FLAGS.value)
+  if _WATCH.value:
+    report = Driver(options).watch(_ATTEMPT.value)
+    sys.exit(0 if report["completed"] else 1)
+  print(f"[launch] {config.name}: {_NUM_PROCESSES.value} processes x {_DEVICES.value} devices, "
+        f"workdir {workdir}", flush=True)
+  # A scheduler's SIGTERM ends the driver like Ctrl-C does: the worker group is killed first.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  report = Driver(options).run()
+  sys.exit(0 if report["completed"] else 1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,432 @@
+"""The robust-training driver (MegaScale §4.1): start the worker group, watch it, restart it.
+
+The driver carries no tensors. It starts one worker process per slot (each a JAX process with
+its own devices; process 0 serves `jax.distributed`'s coordination service), receives their
+heartbeats over HTTP/JSON, and declares a failure when a worker
+
+  exits non-zero or is killed            (its exit status; kill -9 included)
+  reports an exception or a NaN stop     (its last heartbeat, sent just before it dies)
+  logs a known fatal line                (events.FATAL_LOG_PATTERNS, in its log file)
+  stops advancing                        (hang: no new step within max(hang_timeout_s,
+                                          hang_step_factor x the measured step time), or no
+                                          heartbeat at all; compiling gets startup_timeout_s,
+                                          a checkpoint save or evaluation io_timeout_s)
+
+Then it kills the whole group, runs the self-checks (selfcheck.py) on every slot, drops the
+slots that fail (a spare takes the place of one; without spares the job shrinks and the
+`data` mesh axis with it), and restarts the group, which resumes from the latest complete
+checkpoint with the same global batches. A failure that repeats at the same step, or a bad
+configuration (a worker exits with status 2), ends the job. Everything lands in
+WORKDIR/resilience/report.json.
+"""
+import dataclasses
+import glob
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from mscale_jax.resilience import events, selfcheck
+from mscale_jax.resilience.faults import Fault
+from mscale_jax.resilience.server import HeartbeatServer
+
+
+@dataclasses.dataclass
+class DriverOptions:
+  """How to run and watch the worker group (the launcher's flags)."""
+  worker_command: list[str]           # argv of one worker, without --workdir
+  workdir: str
+  num_processes: int = 2
+  devices_per_process: int = 4
+  spare_slots: int = 0
+  coordinator_host: str = "127.0.0.1"
+  coordinator_port: int = 0           # 0: a free port for each (re)start
+  heartbeat_port: int = 0             # the driver's HTTP endpoint; 0: any free port
+  heartbeat_s: float = 2.0
+  hang_timeout_s: float = 60.0
+  hang_step_factor: float = 20.0
+  startup_timeout_s: float = 600.0
+  io_timeout_s: float = 120.0         # allowed for one checkpoint save or evaluation
+  max_restarts: int = 5
+  self_check: bool = True
+  self_check_timeout_s: float = 180.0
+  faults: tuple[Fault, ...] = ()
+  xla_flags: str = ""                 # extra XLA_FLAGS for the workers
+  compile_cache: bool = True          # share JAX's persistent compilation cache across restarts
+  poll_s: float = 0.25
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  with socket.socket() as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def latest_checkpoint(workdir: str) -> int:
+  """Newest complete checkpoint step in WORKDIR/checkpoints (orbax renames when complete)."""
+  steps = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
+           if d.isdigit()] if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
+  return max(steps, default=0)
+
+
+class _Group:
+  """One start of the worker group: processes, their log files, what they last said."""
+
+  def __init__(self, attempt: int, slots: list[int]):
+    self.attempt, self.slots = attempt, slots
+    self.procs: list[subprocess.Popen] = []
+    self.logs: list[str] = []
+    self.offsets: list[int] = []
+    self.started = time.time()
+    self.progress: dict[int, tuple[int, str, float]] = {}   # rank: (step, phase, since)
+    self.first_step_at: float | None = None
+    self.max_step = 0
+    self.step_times: list[float] = []
+
+
+class Driver:
+  """Runs `options.worker_command` as a supervised, restartable multi-process job."""
+
+  def __init__(self, options: DriverOptions, out=sys.stdout):
+    self.o = options
+    self.out = out
+    self.workdir = os.path.abspath(options.workdir)
+    self.state_dir = os.path.join(self.workdir, "resilience")
+    self.slots = list(range(options.num_processes + options.spare_slots))
+    self.excluded: dict[int, str] = {}
+    self.failures: list[dict] = []
+    self.attempts: list[dict] = []
+    self._group: _Group | None = None
+    self._step_times: list[float] = []
+
+  def say(self, message: str) -> None:
+    print(f"[driver] {message}", file=self.out, flush=True)
+
+  # -- the job ---------------------------------------------------------------------------
+
+  def run(self) -> dict:
+    """Runs the job to completion or until it cannot go on; returns (and writes) the report."""
+    os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
+    self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port)
+    start, outcome = time.time(), "failed"
+    try:
+      for attempt in range(self.o.max_restarts + 1):
+        active = [s for s in self.slots if s not in self.excluded][:self.o.num_processes]
+        if not active:
+          outcome = "no healthy slot left"
+          break
+        group = self._start(attempt, active)
+        failure = self._supervise(group)
+        self._stop(group)
+        self._step_times += group.step_times
+        self.attempts.append({"attempt": attempt, "slots": active, "started": group.started,
+                              "ended": time.time(), "max_step": group.max_step,
+                              "failure": failure and failure.kind})
+        if self.failures and self.failures[-1].get("restart_s") is None \
+            and group.first_step_at is not None:
+          self.failures[-1]["restart_s"] = group.first_step_at - self.failures[-1]["detected_at"]
+        if failure is None:
+          outcome = "completed"
+          break
+        record = self._record(failure, group)
+        if failure.kind == events.EXITED and failure.detail == "exit status 2":
+          outcome = "bad configuration (a worker exited with status 2; see its log)"
+          break
+        if self._repeats(record):
+          outcome = f"the same failure twice at step {record['step']}: not transient"
+          break
+        if attempt == self.o.max_restarts:
+          outcome = f"restart budget ({self.o.max_restarts}) spent"
+          break
+        record["diagnosis"] = self._diagnose(attempt)
+        record["restore_step"] = latest_checkpoint(self.workdir)
+        record["steps_lost"] = max(record["last_step"] - record["restore_step"], 0)
+        self.say(f"restarting from step {record['restore_step']} "
+                 f"({record['steps_lost']} steps to replay)")
+    finally:
+      if self._group is not None:
+        self._stop(self._group)
+      self.server.close()
+    return self._report(outcome, time.time() - start)
+
+  def watch(self, attempt: int) -> dict:
+    """Cluster mode: the scheduler started the workers; only their heartbeats are watched.
+
+    Returns (and writes to resilience/report-attempt<attempt>.json) once every rank reports
+    'done', or at the first failure detected: the job script then ends the worker step and
+    starts the next attempt (cluster.py).
+    """
+    os.makedirs(self.state_dir, exist_ok=True)
+    self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port)
+    self.say(f"watching {self.o.num_processes} workers (attempt {attempt}) at {self.server.url}")
+    group = _Group(attempt, list(range(self.o.num_processes)))
+    start, outcome = time.time(), "failed"
+    try:
+      while True:
+        beats = {r: b for r, (b, _) in self.server.latest().items() if b.attempt == attempt}
+        if len(beats) == self.o.num_processes and \
+            all(b.phase == events.DONE for b in beats.values()):
+          outcome = "completed"
+          break
+        failure = self._poll(group)
+        if failure is not None:
+          self._record(failure, group)
+          break
+        time.sleep(self.o.poll_s)
+    finally:
+      self.server.close()
+    self._step_times += group.step_times
+    self.attempts.append({"attempt": attempt, "slots": group.slots, "started": group.started,
+                          "ended": time.time(), "max_step": group.max_step,
+                          "failure": self.failures[-1]["kind"] if self.failures else None})
+    return self._report(outcome, time.time() - start, f"report-attempt{attempt}.json")
+
+  def _start(self, attempt: int, slots: list[int]) -> _Group:
+    o = self.o
+    group = self._group = _Group(attempt, slots)
+    self.server.clear()
+    port = o.coordinator_port or free_port(o.coordinator_host)
+    command = list(o.worker_command) + [f"--workdir={self.workdir}"]
+    if len(slots) < o.num_processes:
+      command.append("--config.mesh.data=-1")   # the data axis absorbs the lost processes
+    specs = [f.spec for f in o.faults if f.kind != "bad_slot"]
+    self.say(f"attempt {attempt}: {len(slots)} processes x {o.devices_per_process} devices "
+             f"on slots {slots}, coordinator {o.coordinator_host}:{port}")
+    for rank, slot in enumerate(slots):
+      env = dict(os.environ, **self._worker_env(rank, slot, len(slots), port, attempt),
+                 MSCALE_HEARTBEAT_URL=self.server.url, MSCALE_FAULTS=json.dumps(specs))
+      path = os.path.join(self.workdir, "logs", f"attempt{attempt}-rank{rank}.log")
+      with open(path, "wb") as log_file:
+        group.procs.append(subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                            env=env, process_group=0))
+      group.logs.append(path)
+      group.offsets.append(0)
+    return group
+
+  def _worker_env(self, rank: int, slot: int, count: int, port: int, attempt: int) -> dict:
+    o = self.o
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={o.devices_per_process} "
+                        f"{o.xla_flags}".strip(),
+           "MSCALE_COORDINATOR": f"{o.coordinator_host}:{port}",
+           "MSCALE_NUM_PROCESSES": str(count), "MSCALE_PROCESS_ID": str(rank),
+           "MSCALE_HEARTBEAT_S": str(o.heartbeat_s), "MSCALE_ATTEMPT": str(attempt),
+           "MSCALE_SLOT": str(slot)}
+    if o.compile_cache:
+      env["MSCALE_COMPILE_CACHE"] = os.path.join(self.state_dir, "compile_cache")
+    return env
+
+  def _stop(self, group: _Group) -> None:
+    """Kills every process of the group (and anything it started), then reaps them."""
+    for p in group.procs:
+      if p.poll() is None:
+        try:
+          os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+    for p in group.procs:
+      p.wait()
+    if self._group is group:
+      self._group = None
+
+  # -- detection -------------------------------------------------------------------------
+
+  def _supervise(self, group: _Group) -> events.Failure | None:
+    """Watches the group until every worker exits 0 (None) or a failure is detected."""
+    while True:
+      if all(p.poll() == 0 for p in group.procs):
+        return None
+      failure = self._poll(group)
+      if failure is not None:
+        return failure
+      time.sleep(self.o.poll_s)
+
+  def _poll(self, group: _Group) -> events.Failure | None:
+    now = time.time()
+    beats = {r: (b, t) for r, (b, t) in self.server.latest().items()
+             if b.attempt == group.attempt}
+    # A killed worker comes first: its peers' errors (a collective that lost its peer) follow
+    # from it; then what workers said about themselves; then other exits.
+    codes = [p.poll() for p in group.procs]
+    for rank, code in enumerate(codes):
+      if code is not None and code < 0:
+        return events.Failure(events.EXITED, rank, f"killed by signal {-code}")
+    for rank, (beat, _) in beats.items():
+      if beat.failure:
+        f = beat.failure
+        return events.Failure(f["kind"], rank, f["detail"], step=f.get("step"))
+    for rank, code in enumerate(codes):
+      if code not in (None, 0):
+        kind = events.NONFINITE if code == events.EXIT_NONFINITE else events.EXITED
+        return events.Failure(kind, rank, f"exit status {code}")
+    for rank, path in enumerate(group.logs):
+      if codes[rank] == 0:   # what a finished worker printed while its peers shut down
+        continue
+      line = self._new_fatal_line(group, rank, path)
+      if line:
+        return events.Failure(events.FATAL_LOG, rank, line)
+    return self._check_progress(group, beats, now)
+
+  def _new_fatal_line(self, group: _Group, rank: int, path: str) -> str | None:
+    try:
+      with open(path, "rb") as f:
+        f.seek(group.offsets[rank])
+        chunk = f.read()
+    except OSError:
+      return None
+    end = chunk.rfind(b"\n") + 1   # whole lines only
+    group.offsets[rank] += end
+    for line in chunk[:end].decode(errors="replace").splitlines():
+      if events.fatal_pattern(line):
+        return line.strip()[:300]
+    return None
+
+  def _check_progress(self, group: _Group, beats, now: float) -> events.Failure | None:
+    o = self.o
+    for rank, (beat, received) in beats.items():
+      step, phase, since = group.progress.get(rank, (None, None, group.started))
+      if (beat.step, beat.phase) != (step, phase):
+        group.progress[rank] = (beat.step, beat.phase, received)
+        if beat.step_time_s and beat.phase == events.TRAINING and beat.step != step:
+          group.step_times.append(beat.step_time_s)
+      if beat.step > group.max_step:
+        group.max_step = beat.step
+        if group.first_step_at is None and beat.attempt == group.attempt and \
+            beat.phase == events.TRAINING:
+          group.first_step_at = received
+    step_time = statistics.median(group.step_times[-20:]) if group.step_times else 0.0
+    limit = max(o.hang_timeout_s, o.hang_step_factor * step_time)
+    # Ranks step together (every step has collectives), so a hang is the group's: no rank has
+    # advanced within the allowance of the slowest phase any rank is in (ranks wait for a peer
+    # that compiles or saves). The rank that advanced least recently is named.
+    ranks, allowed = [], 0.0
+    for rank in range(len(group.slots)):
+      if (group.procs and group.procs[rank].poll() == 0) or \
+          (rank in beats and beats[rank][0].phase == events.DONE):
+        continue
+      step, phase, since = group.progress.get(rank, (0, events.STARTING, group.started))
+      if group.first_step_at is None or phase in (events.STARTING, events.COMPILING,
+                                                  events.RESTORING):
+        allowed = max(allowed, o.startup_timeout_s)
+      elif phase in (events.CHECKPOINTING, events.EVALUATING):
+        allowed = max(allowed, limit, o.io_timeout_s)
+      else:
+        allowed = max(allowed, limit)
+      ranks.append((max(since, group.first_step_at or since), rank, step, phase))
+      last = beats.get(rank, (None, group.started))[1]
+      if now - last > max(o.startup_timeout_s if group.first_step_at is None else limit,
+                          3 * o.heartbeat_s + 10):
+        return events.Failure(events.HANG, rank, f"no heartbeat for {now - last:.0f} s")
+    if ranks and now - max(r[0] for r in ranks) > allowed:
+      since, rank, step, phase = min(ranks)
+      return events.Failure(events.HANG, rank, f"no step for {now - since:.0f} s (limit "
+                            f"{allowed:.0f} s); rank {rank} last advanced, to step {step}, "
+                            f"in phase {phase!r}", step=step)
+    return None
+
+  # -- after a failure -------------------------------------------------------------------
+
+  def _record(self, failure: events.Failure, group: _Group) -> dict:
+    fired = self._fired_since(group.started)
+    if fired:
+      failure.happened_at = fired["time"]
+      failure.step = failure.step or fired["step"]
+    record = failure.to_json()
+    record.update(attempt=group.attempt, slot=group.slots[failure.rank or 0],
+                  last_step=max(group.max_step, (fired or {}).get("step", 1) - 1),
+                  injected=fired and fired["fault"], restart_s=None,
+                  detection_latency_s=(failure.detected_at - failure.happened_at
+                                       if failure.happened_at else None))
+    self.failures.append(record)
+    latency = record["detection_latency_s"]
+    self.say(f"detected {failure.kind} on rank {failure.rank}: {failure.detail}"
+             + (f" ({latency:.1f} s after the fault)" if latency is not None else ""))
+    return record
+
+  def _fired_since(self, since: float) -> dict | None:
+    """The newest fault marker written since `since` (an injected fault's when and where)."""
+    markers = []
+    for path in glob.glob(os.path.join(self.state_dir, "faults", "*.json")):
+      with open(path) as f:
+        marker = json.load(f)
+      if marker["time"] >= since:
+        markers.append(marker)
+    return max(markers, key=lambda m: m["time"], default=None)
+
+  def _repeats(self, record: dict) -> bool:
+    if len(self.failures) < 2 or record.get("injected"):
+      return False
+    previous = self.failures[-2]
+    return (previous["kind"], previous["step"]) == (record["kind"], record["step"]) and \
+        record["step"] is not None
+
+  def _diagnose(self, attempt: int) -> dict:
+    """Self-checks on every slot not yet excluded; excludes those that fail."""
+    candidates = [s for s in self.slots if s not in self.excluded]
+    if not self.o.self_check:
+      return {"ran": False, "excluded": []}
+    start = time.time()
+    out_dir = os.path.join(self.state_dir, f"selfcheck-{attempt}")
+    port = free_port(self.o.coordinator_host)
+    bad = {f.slot for f in self.o.faults if f.kind == "bad_slot"}
+    procs = []
+    for rank, slot in enumerate(candidates):
+      env = dict(os.environ, **self._worker_env(rank, slot, len(candidates), port, attempt))
+      env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" \
+                         f"{self.o.devices_per_process}"
+      env.pop("MSCALE_COMPILE_CACHE", None)
+      if slot in bad:
+        env["MSCALE_BAD_SLOT"] = "1"
+      log_path = os.path.join(self.workdir, "logs", f"selfcheck{attempt}-slot{slot}.log")
+      with open(log_path, "wb") as log_file:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "mscale_jax.resilience.selfcheck", out_dir,
+             os.path.join(self.workdir, "checkpoints")],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, process_group=0))
+    deadline = time.time() + self.o.self_check_timeout_s
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+      time.sleep(self.o.poll_s)
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+      p.wait()
+    results = {}
+    for slot in candidates:
+      path = os.path.join(out_dir, f"slot{slot}.json")
+      results[slot] = json.load(open(path)) if os.path.exists(path) else None
+    verdict = selfcheck.judge(results)
+    for slot, why in verdict.items():
+      if why:
+        self.excluded[slot] = why
+        self.say(f"self-check: slot {slot} fails ({why}); excluded")
+    healthy = [s for s, why in verdict.items() if not why]
+    self.say(f"self-check in {time.time() - start:.1f} s: healthy slots {healthy}")
+    return {"ran": True, "seconds": time.time() - start, "results": results,
+            "excluded": {s: w for s, w in verdict.items() if w}}
+
+  # -- the report ------------------------------------------------------------------------
+
+  def _report(self, outcome: str, wall_s: float, name: str = "report.json") -> dict:
+    steps = max([a["max_step"] for a in self.attempts], default=0)
+    step_time = statistics.median(self._step_times) if self._step_times else None
+    report = {"outcome": outcome, "completed": outcome == "completed", "wall_s": wall_s,
+              "num_processes": self.o.num_processes,
+              "devices_per_process": self.o.devices_per_process,
+              "restarts": len(self.attempts) - 1, "final_step": steps,
+              "median_step_time_s": step_time,
+              # MegaScale's effective training time rate: iterations x iteration time / wall
+              # time (iteration time: the median step time heartbeats reported).
+              "effective_training_time_rate": steps * step_time / wall_s if step_time else None,
+              "failures": self.failures, "excluded_slots": self.excluded,
+              "attempts": self.attempts}
+    os.makedirs(self.state_dir, exist_ok=True)
+    path = os.path.join(self.state_dir, name)
+    with open(path + ".tmp", "w") as f:
+      json.dump(report, f, indent=2, default=str)
+    os.replace(path + ".tmp", path)
+    self.say(f"{outcome}: {len(self.failures)} failures, {report['restarts']} restarts, "
+             f"{wall_s:.0f} s; report {path}")
+    return report

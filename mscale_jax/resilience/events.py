@@ -1,0 +1,94 @@
+"""The one definition of a heartbeat and of a failure, shared by the trainer and the driver.
+
+A worker (one JAX process) reports `Heartbeat`s; the driver turns what it sees (heartbeats,
+exit statuses, log lines) into `Failure`s. Both sides import these, so a field added here (say
+a per-phase timing for straggler detection) reaches the trainer, the wire and the driver at once.
+"""
+import dataclasses
+import re
+import time
+from typing import Any
+
+# What a worker is doing. The driver's hang rule depends on it: compiling may take minutes.
+STARTING, COMPILING, TRAINING, CHECKPOINTING, EVALUATING, RESTORING, DONE, FAILED = (
+    "starting", "compiling", "training", "checkpointing", "evaluating", "restoring", "done",
+    "failed")
+PHASES = (STARTING, COMPILING, TRAINING, CHECKPOINTING, EVALUATING, RESTORING, DONE, FAILED)
+
+# Kinds of failure the driver detects (Failure.kind).
+EXITED = "exited"            # a worker exited with a non-zero status (or was killed: kill -9)
+HANG = "hang"                # no step advance (or no heartbeat) within the hang timeout
+NONFINITE = "nonfinite"      # a non-finite loss or gradient norm with train.on_nonfinite=stop
+EXCEPTION = "exception"      # a Python exception in a worker
+FATAL_LOG = "fatal_log"      # a log line matching FATAL_LOG_PATTERNS
+FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG)
+
+# Exit statuses of experiments.train beyond 0 (done), 1 (exception) and 2 (bad input).
+EXIT_NONFINITE = 3
+
+# Log lines that mean a worker is beyond saving even if its process still lives.
+FATAL_LOG_PATTERNS = tuple(re.compile(p) for p in (
+    r"Fatal Python error",
+    r"Check failed:",
+    r"Segmentation fault",
+    r"RESOURCE_EXHAUSTED",
+    r"[Oo]ut of memory",
+    r"NCCL (error|WARN .*failed)",
+    r"[Gg]loo.*(Connection closed|[Tt]imed out|[Cc]onnection reset)",
+    r"DEADLINE_EXCEEDED",
+    r"coordination service.*(error|heartbeat)",
+))
+
+
+def fatal_pattern(line: str) -> str | None:
+  """The first fatal pattern `line` matches (its regex source), or None."""
+  for pattern in FATAL_LOG_PATTERNS:
+    if pattern.search(line):
+      return pattern.pattern
+  return None
+
+
+@dataclasses.dataclass
+class Heartbeat:
+  """What one worker last said about itself (sent as JSON every few seconds).
+
+  `step` is the last step whose result the worker has checked (loss fetched); `failure`, when
+  set, is a `Failure` as a dict that the worker reports about itself just before it dies.
+  """
+  rank: int
+  host: str
+  pid: int
+  attempt: int = 0
+  slot: int = 0
+  phase: str = STARTING
+  step: int = 0
+  loss: float | None = None
+  grad_norm: float | None = None
+  step_time_s: float | None = None     # mean seconds per step since the previous heartbeat
+  data_wait_s: float | None = None     # mean seconds per step spent waiting for the batch
+  nonfinite_steps: int = 0
+  time: float = dataclasses.field(default_factory=time.time)
+  log_tail: list[str] = dataclasses.field(default_factory=list)
+  failure: dict[str, Any] | None = None
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, obj: dict[str, Any]) -> "Heartbeat":
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in obj.items() if k in names})
+
+
+@dataclasses.dataclass
+class Failure:
+  """A detected failure: what, where, when it happened (if known) and when it was noticed."""
+  kind: str
+  rank: int | None
+  detail: str
+  detected_at: float = dataclasses.field(default_factory=time.time)
+  happened_at: float | None = None     # e.g. when an injected fault fired
+  step: int | None = None
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)

@@ -1,0 +1,135 @@
+"""Self-check diagnostics run on every slot after a failure, before restarting (MegaScale §4.3).
+
+Scaled to what one machine can show, each slot's process (one JAX process per slot, joined
+with `jax.distributed` as the workers are) runs:
+
+  matmul     the local matmul rate (GFLOP/s, float32) of its first device; the driver compares
+             it with the fleet median
+  allgather  every process contributes a block derived from its rank; after the collective each
+             checks every block (correctness: names a slot whose contribution arrives corrupt)
+             and times a larger all-gather (bandwidth, GB/s received per process)
+  write      writes, fsyncs, reads back and removes a file in the checkpoint directory
+
+Run as `python -m mscale_jax.resilience.selfcheck OUT_DIR CHECKPOINT_DIR` with the MSCALE_*
+variables of worker.py; each process writes OUT_DIR/slot<slot>.json. MSCALE_BAD_SLOT=1 makes
+the process corrupt what it contributes (the `bad_slot` fault: a flaky link or device).
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+# A slot whose matmul rate is below this fraction of the median fails.
+MIN_RATE_FRACTION = 0.5
+
+
+def probe_matmul(size: int = 384, repeats: int = 10) -> float:
+  """GFLOP/s of a float32 [size, size] matmul on this process's first device.
+
+  The best of `repeats` runs: a busy neighbour makes single runs slow now and then, a slow
+  device makes every run slow.
+  """
+  import jax
+  import jax.numpy as jnp
+  x = jax.device_put(jnp.ones((size, size), jnp.float32) / size, jax.local_devices()[0])
+  matmul = jax.jit(lambda a: a @ a)
+  matmul(x).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(x).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * size ** 3 / min(times) / 1e9
+
+
+def probe_allgather(corrupt: bool, bandwidth_bytes: int = 1 << 22) -> dict:
+  """Correctness (ranks whose block arrived wrong) and bandwidth of a cross-process all-gather."""
+  import numpy as np
+  from jax.experimental import multihost_utils
+  import jax
+  rank, count = jax.process_index(), jax.process_count()
+  expected = lambda r: np.arange(1024, dtype=np.float32) * (r + 1) + r   # noqa: E731
+  mine = expected(rank) + (1.0 if corrupt else 0.0)
+  gathered = np.asarray(multihost_utils.process_allgather(mine))
+  wrong = [r for r in range(count) if not np.array_equal(gathered[r], expected(r))]
+  big = np.full(bandwidth_bytes // 4, rank, np.float32)
+  multihost_utils.process_allgather(big)   # warm-up (compiles)
+  start = time.perf_counter()
+  multihost_utils.process_allgather(big)
+  seconds = time.perf_counter() - start
+  return {"wrong_ranks": wrong, "gbytes_per_s": bandwidth_bytes * count / seconds / 1e9}
+
+
+def probe_write(directory: str, size: int = 1 << 22) -> dict:
+  """Writes, fsyncs, reads back and removes a file under `directory`: {'ok', 'mbytes_per_s'}."""
+  path = os.path.join(directory, f".selfcheck-{os.getpid()}")
+  data = os.urandom(size)
+  try:
+    os.makedirs(directory, exist_ok=True)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    with open(path, "rb") as f:
+      ok = f.read() == data
+    os.remove(path)
+    return {"ok": ok, "mbytes_per_s": size / seconds / 1e6}
+  except OSError as e:
+    return {"ok": False, "error": str(e)}
+
+
+def judge(results: dict[int, dict | None]) -> dict[int, str | None]:
+  """{slot: None if healthy, else why it fails} from each slot's probe results (None: no result).
+
+  A slot fails if it produced no result (crashed or hung), its matmul rate is below
+  MIN_RATE_FRACTION of the median, another slot saw its all-gather block arrive corrupt, or
+  its checkpoint-directory write failed.
+  """
+  done = {s: r for s, r in results.items() if r is not None}
+  rates = [r["matmul_gflops"] for r in done.values()]
+  median = statistics.median(rates) if rates else 0.0
+  slot_of_rank = {r["rank"]: s for s, r in done.items()}
+  blamed = {slot_of_rank.get(w) for r in done.values() for w in r["allgather"]["wrong_ranks"]}
+  verdict = {}
+  for slot, r in results.items():
+    if r is None:
+      verdict[slot] = "no self-check result (the process crashed or hung)"
+    elif slot in blamed:
+      verdict[slot] = "its all-gather contribution arrived corrupt"
+    elif r["matmul_gflops"] < MIN_RATE_FRACTION * median:
+      verdict[slot] = (f"matmul rate {r['matmul_gflops']:.1f} GFLOP/s is below "
+                       f"{MIN_RATE_FRACTION:.0%} of the median {median:.1f}")
+    elif not r["write"]["ok"]:
+      verdict[slot] = f"checkpoint directory write failed: {r['write'].get('error', 'mismatch')}"
+    else:
+      verdict[slot] = None
+  return verdict
+
+
+def main(out_dir: str, checkpoint_dir: str) -> None:
+  from mscale_jax.resilience.worker import initialize_distributed
+  initialize_distributed()
+  import jax
+  slot = int(os.environ.get("MSCALE_SLOT", "0"))
+  corrupt = os.environ.get("MSCALE_BAD_SLOT") == "1"
+  from jax.experimental import multihost_utils
+  # One process at a time, so that processes sharing a host do not slow each other's probe.
+  rate = None
+  for rank in range(jax.process_count()):
+    if rank == jax.process_index():
+      rate = probe_matmul()
+    multihost_utils.sync_global_devices(f"selfcheck matmul {rank}")
+  result = {"slot": slot, "rank": jax.process_index(), "matmul_gflops": rate,
+            "allgather": probe_allgather(corrupt), "write": probe_write(checkpoint_dir)}
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"slot{slot}.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(result, f)
+  os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,260 @@
+"""Resilience pieces in one process: fault specs, heartbeats over HTTP, self-check verdicts,
+the trainer's non-finite policies and metrics de-duplication, launcher input errors."""
+import glob
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mscale_jax.errors import ConfigError
+from mscale_jax.resilience import events, selfcheck
+from mscale_jax.resilience.faults import parse_fault, parse_faults
+from mscale_jax.resilience.server import HeartbeatServer
+from mscale_jax.resilience.worker import WorkerHooks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- fault specs, fatal lines, self-check verdicts ---------------------------------------------
+
+def test_fault_specs_parse_with_defaults():
+  assert parse_fault("kill:rank=1:step=37").spec == "kill:rank=1:step=37:at=step"
+  assert parse_fault("kill:step=8:at=save").rank == 0
+  slow = parse_fault("slow:rank=1:factor=2")
+  assert (slow.factor, slow.step) == (2.0, 1)
+  assert [f.index for f in parse_faults(["nan:step=6", "bad_slot:slot=1"])] == [0, 1]
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("explode:step=3", "a kind among"), ("kill:rank=1", "needs step"),
+    ("hang:rank=0:step=5:when=now", "keys of 'hang'"), ("slow:rank=0:factor=0.5", "factor > 1"),
+    ("kill:step=3:at=eval", "at=step or at=save"), ("nan:step=x", "integer"),
+    ("exception:rank=-1:step=2", "rank >= 0"),
+])
+def test_bad_fault_specs_name_what_is_valid(spec, why):
+  with pytest.raises(ConfigError, match=why):
+    parse_fault(spec)
+
+
+def test_fatal_log_patterns():
+  assert events.fatal_pattern("F1123 Check failed: status.ok()")
+  assert events.fatal_pattern("Fatal Python error: Segmentation fault")
+  assert events.fatal_pattern("[gloo] Connection closed by peer")
+  assert events.fatal_pattern("step 10 loss 3.2") is None
+
+
+def _probe(rank, rate, wrong=(), ok=True):
+  return {"rank": rank, "matmul_gflops": rate, "allgather": {"wrong_ranks": list(wrong)},
+          "write": {"ok": ok}}
+
+
+def test_self_check_verdicts_name_the_bad_slot():
+  healthy = selfcheck.judge({0: _probe(0, 50), 1: _probe(1, 48), 2: _probe(2, 52)})
+  assert healthy == {0: None, 1: None, 2: None}
+  verdict = selfcheck.judge({0: _probe(0, 50, wrong=[2]), 1: _probe(1, 48, wrong=[2]),
+                             3: _probe(2, 52, wrong=[2])})   # slot 3 runs as rank 2
+  assert [s for s, why in verdict.items() if why] == [3] and "corrupt" in verdict[3]
+  slow = selfcheck.judge({0: _probe(0, 50), 1: _probe(1, 10), 2: _probe(2, 52)})
+  assert "matmul rate" in slow[1] and not slow[0]
+  assert "write" in selfcheck.judge({0: _probe(0, 50, ok=False), 1: _probe(1, 50)})[0]
+  assert "no self-check result" in selfcheck.judge({0: _probe(0, 50), 1: None})[1]
+
+
+# -- heartbeats over HTTP ----------------------------------------------------------------------
+
+def test_heartbeats_reach_the_server_and_carry_the_failure():
+  server = HeartbeatServer()
+  try:
+    hooks = WorkerHooks(rank=1, heartbeat_url=server.url, interval_s=60, attempt=2, slot=3)
+    hooks.phase(events.TRAINING)
+    hooks.progress(7, 2.5, 0.9, 0.01)
+    hooks.post()
+    beat, _ = server.latest()[1]
+    assert (beat.rank, beat.attempt, beat.slot, beat.phase, beat.step, beat.loss) == \
+        (1, 2, 3, events.TRAINING, 7, 2.5)
+    assert beat.pid == os.getpid() and beat.host == socket.gethostname()
+    hooks.failure(events.EXCEPTION, "RuntimeError: boom", step=8)
+    beat, _ = server.latest()[1]
+    assert beat.phase == events.FAILED and beat.failure["kind"] == events.EXCEPTION
+    assert beat.failure["detail"] == "RuntimeError: boom" and beat.failure["step"] == 8
+    import urllib.request
+    status = json.loads(urllib.request.urlopen(server.url.replace("heartbeat", "status")).read())
+    assert status["1"]["step"] == 7 and "received" in status["1"]
+  finally:
+    server.close()
+
+
+# -- the trainer's non-finite policies (in-process, fault-injected NaN) ---------------------------
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _tensorboard_steps(workdir, tag="loss"):
+  """(tag, step)s TensorBoard shows: a SessionLog START at step s purges earlier steps >= s."""
+  from tensorboardX.proto import event_pb2
+  shown = []
+  for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.*"))):
+    data = open(path, "rb").read()
+    offset = 0
+    while offset < len(data):
+      (length,) = struct.unpack("<Q", data[offset:offset + 8])
+      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4
+      if event.HasField("session_log") and event.session_log.status == 1:
+        shown = [s for s in shown if s < event.step]
+      elif event.HasField("summary") and any(v.tag == tag for v in event.summary.value):
+        shown.append(event.step)
+  return shown
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """The policy tests compile the same step several times: let JAX's disk cache serve them."""
+  import jax
+  saved = (jax.config.jax_compilation_cache_dir,
+           jax.config.jax_persistent_cache_min_compile_time_secs)
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  yield
+  from jax._src import compilation_cache
+  compilation_cache.reset_cache()   # later modules compile as they did before
+  jax.config.update("jax_compilation_cache_dir", saved[0])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+
+
+def _train(config, workdir, faults=()):
+  from mscale_jax.train import Trainer
+  hooks = WorkerHooks(faults=parse_faults(faults))
+  return Trainer(config, str(workdir), hooks=hooks, show_progress=False)
+
+
+def _policy_config(tiny_config, policy):
+  return tiny_config(train=dict(steps=8, global_batch=4, log_every=2, eval_every=8,
+                                checkpoint_every=4, on_nonfinite=policy))
+
+
+def test_nonfinite_stop_then_resume_logs_each_step_once(tiny_config, tmp_path):
+  from mscale_jax.errors import NonFiniteError
+  config = _policy_config(tiny_config, "stop")
+  trainer = _train(config, tmp_path, ["nan:step=7"])
+  with pytest.raises(NonFiniteError, match="step 7"):   # found one step late, at step 8
+    trainer.train()
+  assert trainer.checkpointer.latest_step() == 4        # no checkpoint after the bad step
+  assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 4, 6]
+  # The restarted run (the fault fired once) replays steps 5..8 from the step-4 checkpoint
+  # and logs its first step (5) and every second one: step 6 appears once.
+  summary = _train(config, tmp_path, ["nan:step=7"]).train()
+  records = _metrics(tmp_path)
+  assert [r["step"] for r in records] == [1, 2, 4, 5, 6, 8]
+  assert all(np.isfinite(r["loss"]) for r in records) and summary["nonfinite_steps"] == []
+  assert sorted(_tensorboard_steps(tmp_path)) == [1, 2, 4, 5, 6, 8]
+  assert summary["restore_s"] > 0 and summary["start_step"] == 4
+  saves = summary["checkpoint_saves"]
+  assert [s["step"] for s in saves] == [8] and saves[0]["stall_s"] > 0
+  assert saves[0]["write_s"] is not None and saves[0]["write_s"] >= 0
+
+
+def test_nonfinite_skip_step_applies_no_update(tiny_config, tmp_path):
+  config = _policy_config(tiny_config, "skip_step")
+  trainer = _train(config, tmp_path, ["nan:step=6"])
+  summary = trainer.train()
+  assert summary["nonfinite_steps"] == [6] and summary["rollbacks"] == 0
+  records = {r["step"]: r for r in _metrics(tmp_path)}
+  assert np.isnan(records[6]["loss"]) and np.isfinite(records[8]["loss"])
+  import jax
+  leaves = jax.tree.leaves(jax.device_get(trainer.final_state))
+  assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
+  assert int(trainer.final_state["step"]) == 8
+
+
+def test_nonfinite_rollback_restores_and_skips_the_batch(tiny_config, tmp_path):
+  from mscale_jax.checkpoint import Checkpointer
+  config = _policy_config(tiny_config, "rollback")
+  summary = _train(config, tmp_path, ["nan:step=5"]).train()
+  assert summary["nonfinite_steps"] == [5] and summary["rollbacks"] == 1
+  assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 4, 6, 8]
+  assert sorted(_tensorboard_steps(tmp_path)) == [1, 2, 4, 6, 8]
+  # Steps 5..8 ran on batches 5..8: the poisoned batch 4 (0-based) was skipped.
+  data_state = Checkpointer(str(tmp_path / "checkpoints")).restore_data_state(8)
+  assert data_state["step"] == 9
+
+
+# -- launcher and worker input errors ------------------------------------------------------------
+
+def _run(module, *args, env=None, timeout=120):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, **(env or {}))
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def _one_error_line(result, text):
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and text in lines[0], result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+
+
+def test_launcher_bad_input_is_one_line_and_exit_2(tmp_path):
+  busy = socket.socket()
+  busy.bind(("127.0.0.1", 0))
+  busy.listen()
+  port = busy.getsockname()[1]
+  cases = [
+      (["--fault=explode:step=3"], "--fault='explode:step=3'"),
+      (["--num_processes=16", "--devices_per_process=1", "--", "--config.mesh.data=2",
+        "--config.mesh.tensor=4", "--config.mesh.shrink_to_fit=False"],
+       "--num_processes=16 is invalid: 16 processes x 1 devices do not suit the configured mesh"),
+      ([f"--coordinator_port={port}"], f"--coordinator_port='127.0.0.1:{port}'"),
+      (["--coordinator_host=192.0.2.1"], "--coordinator_host='192.0.2.1'"),
+      (["--fault=kill:rank=2:step=3"], "a rank below 2"),
+  ]
+  try:
+    for i, (args, text) in enumerate(cases):
+      workdir = tmp_path / f"run{i}"
+      _one_error_line(_run("experiments.launch", f"--workdir={workdir}", *args), text)
+      assert not workdir.exists()
+  finally:
+    busy.close()
+
+
+def test_worker_with_an_unreachable_coordinator_is_one_line_and_exit_2(tmp_path):
+  port = socket.socket()
+  port.bind(("127.0.0.1", 0))
+  address = f"127.0.0.1:{port.getsockname()[1]}"   # bound, never listening: refused
+  try:
+    result = _run("experiments.train", f"--workdir={tmp_path / 'run'}",
+                  env={"MSCALE_COORDINATOR": address, "MSCALE_NUM_PROCESSES": "2",
+                       "MSCALE_PROCESS_ID": "1", "MSCALE_COORDINATOR_TIMEOUT_S": "1"})
+  finally:
+    port.close()
+  _one_error_line(result, f"coordinator='{address}'")
+  assert not (tmp_path / "run").exists()
+
+
+def test_faults_fire_once_on_their_rank_and_slow_ranks_sleep(tmp_path):
+  import time
+  from mscale_jax.resilience.faults import FaultInjector
+  faults = parse_faults(["nan:step=3", "exception:rank=1:step=2", "slow:rank=1:factor=3:step=4"])
+  rank0 = FaultInjector(faults, 0, str(tmp_path))
+  rank1 = FaultInjector(faults, 1, str(tmp_path))
+  rank0.before_step(2)                       # the exception is rank 1's
+  with pytest.raises(RuntimeError, match="injected fault exception"):
+    rank1.before_step(2)
+  rank1.before_step(2)                       # fired once: a replayed step 2 passes
+  assert [rank0.loss_scale(s) for s in (2, 4)] == [1.0, 1.0]
+  assert np.isnan(rank0.loss_scale(3)) and rank0.loss_scale(3) == 1.0
+  marker = json.load(open(tmp_path / "0-nan-rank0.json"))
+  assert marker["step"] == 3 and marker["fault"] == "nan:step=3"
+  rank1.slow_down(3)                         # before its first step: starts the clock
+  step_start = time.perf_counter()
+  while time.perf_counter() - step_start < 0.05:   # a 50 ms "step" of work
+    pass
+  rank1.slow_down(4)                         # sleeps (factor - 1) x the step's own time
+  assert time.perf_counter() - step_start >= 0.05 + 2 * 0.05
