@@ -104,7 +104,7 @@ def check_inputs(train_args: list[str]):
     raise ConfigError("--workdir", train_args, "give --workdir before '--' (the launcher's)")
   config = parse_train_args(train_args)
   try:
-    validate(config, n * k, allow_pipeline=_EMIT.value != "local")
+    validate(config, n * k)
   except ConfigError as e:
     if not e.field.startswith("mesh"):
       raise

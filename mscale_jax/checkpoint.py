@@ -43,7 +43,9 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
-        async_options=ocp.AsyncOptions(post_finalization_callback=self._written))
+        # orbax accepts the write-finished callback only from its async checkpointer.
+        async_options=(ocp.AsyncOptions(post_finalization_callback=self._written)
+                       if async_save else None))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "data", "meta"))
 
