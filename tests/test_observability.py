@@ -1,0 +1,239 @@
+"""Observability: the per-rank timeline and its Chrome-trace merge, the heat-map, the profiler
+window, the straggler detector and hang localisation (synthetic inputs and one tiny run)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mscale_jax.config import profile_window
+from mscale_jax.errors import ConfigError
+from mscale_jax.resilience import hang, straggler, trace
+from mscale_jax.resilience.timeline import Timeline, read_rank_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- timeline and merge ------------------------------------------------------------------------
+
+def _loop(timeline, steps, rng, slow_host=0.0):
+  """Drives `timeline` through `steps` iterations of the trainer's phases, with random waits."""
+  for step in range(1, steps + 1):
+    for phase, seconds in (("data_wait", 2e-4), ("host_to_device", 1e-4), ("dispatch", 3e-4),
+                           ("host", 1e-4 + slow_host), ("sync", 5e-4), ("host", 0.0)):
+      timeline.phase(phase, step if phase == "data_wait" else None)
+      end = time.perf_counter() + seconds * rng.uniform(0.5, 1.5)
+      while time.perf_counter() < end:
+        pass
+
+
+def _assert_valid_trace(obj, ranks):
+  text = json.dumps(obj)
+  events = json.loads(text)["traceEvents"]
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e["ph"] == "M" and e["name"] == "process_name"}
+  rank_pids = sorted(p for p in names if p != trace.DRIVER_PID)
+  assert rank_pids == sorted(ranks) and all(names[r].startswith(f"rank {r}") for r in ranks)
+  spans = [e for e in events if e["ph"] == "X"]
+  assert spans and all(isinstance(e["ts"], int) and e["dur"] >= 0 for e in spans)
+  tracks = {}
+  for e in spans:
+    tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+  for key, intervals in tracks.items():
+    intervals.sort()
+    for (_, end), (start, _) in zip(intervals, intervals[1:]):
+      assert start >= end, f"overlapping spans on track {key}"
+  return spans
+
+
+def test_timeline_spans_tile_each_rank_and_merge_into_a_valid_chrome_trace(tmp_path):
+  rng = np.random.default_rng(0)
+  for rank in (0, 1, 2):
+    tl = Timeline(str(tmp_path / "timeline"), rank, meta={"coords": {"data": [rank]}},
+                  flush_every_s=0.01)
+    tl.phase("compile")
+    _loop(tl, 6, rng, slow_host=2e-3 if rank == 2 else 0.0)
+    save = {"step": 6, "stall_s": 0.001, "write_s": None}
+    tl.phase("checkpoint_stall")
+    tl.checkpoint_saved(save)
+    tl.phase("host")
+    save["write_s"] = 0.05   # orbax's callback, later
+    records = tl.drain()
+    tl.close()
+    assert [s for s, _ in records] == [1, 2, 3, 4, 5]   # iteration 6 is still open then
+    assert set(records[0][1]) == {"data_wait", "host_to_device", "dispatch", "host", "sync"}
+    metas, spans = read_rank_file(tl.path)
+    assert metas[0]["coords"] == {"data": [rank]} and metas[0]["rank"] == rank
+    loop = [s for s in spans if s["track"] == "loop"]
+    assert all(a["end"] == b["start"] for a, b in zip(loop, loop[1:]))   # no gaps, no overlap
+    assert [s["name"] for s in spans if s["track"] == "checkpoint"] == ["checkpoint_write"]
+  data = trace.load(str(tmp_path))
+  spans = _assert_valid_trace(trace.chrome_trace(data), [0, 1, 2])
+  assert {e["tid"] for e in spans if e["name"] == "checkpoint_write"} == {1}
+  summary = trace.summarize(data)
+  assert summary["furthest_above_others"]["host"]["rank"] == 2
+  assert summary["ranks"][2]["iterations"] == 6
+
+
+def test_profile_steps_spec_is_validated():
+  assert profile_window("", 10) is None
+  assert profile_window("3:5", 10) == (3, 5) and profile_window("4:4", 4) == (4, 4)
+  for bad in ("5", "a:b", "0:3", "5:3", "3:11", "3:5:7"):
+    with pytest.raises(ConfigError, match="train.profile_steps.*START:END"):
+      profile_window(bad, 10)
+
+
+def test_tiny_run_writes_timeline_profile_trace_and_heatmap(tiny_config, tmp_path):
+  from mscale_jax.train import Trainer
+  config = tiny_config(train=dict(steps=4, global_batch=4, log_every=2, eval_every=4,
+                                  eval_batches=1, checkpoint_every=4, profile_steps="2:3"))
+  Trainer(config, str(tmp_path), show_progress=False).train()
+  profiles = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "profile" / "rank0")
+              for f in files]
+  assert any(p.endswith(".xplane.pb") and os.path.getsize(p) > 0 for p in profiles)
+  out = trace.merge(str(tmp_path))
+  with open(out["trace"]) as f:
+    spans = _assert_valid_trace(json.load(f), [0])
+  names = {e["name"] for e in spans}
+  assert {"restore", "compile", "data_wait", "host_to_device", "dispatch", "sync", "host",
+          "log", "eval", "checkpoint_stall", "checkpoint_write"} <= names
+  assert sorted({e["args"]["step"] for e in spans if e["name"] == "dispatch"}) == [1, 2, 3, 4]
+  with open(out["heatmap"], "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert out["summary_data"]["ranks"][0]["iterations"] == 4
+
+
+# -- straggler detection -----------------------------------------------------------------------
+
+def _phases(rng, ranks, steps, slow=None, factor=0.0, start=0, spikes=0.0):
+  """Per-step {rank: {phase: s}} of a 100 ms step; rank `slow` spends `factor` x step more in
+  `host` from step `start` on; `spikes`: chance of a one-step 40 ms hiccup on any rank/phase."""
+  for step in range(1, steps + 1):
+    values = {}
+    for r in range(ranks):
+      v = {"data_wait": rng.gamma(4, 5e-4), "host_to_device": rng.gamma(4, 3e-4),
+           "host": rng.gamma(4, 2e-4), "log": 0.0, "eval": 0.0, "checkpoint_stall": 0.0}
+      if rng.random() < spikes:
+        v[rng.choice(list(v))] += 0.04
+      if r == slow and step >= start:
+        v["host"] += factor * 0.1
+      values[r] = v
+    yield step, values, 0.1 * rng.uniform(0.9, 1.1)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_a_slow_rank_is_flagged_within_the_window_naming_its_phase(ranks):
+  rng = np.random.default_rng(ranks)
+  detector = straggler.StragglerDetector(window=10)
+  flags = []
+  for step, values, step_time in _phases(rng, ranks, 80, slow=1, factor=0.5, start=31,
+                                         spikes=0.02):
+    flags += detector.update(step, values, step_time)
+  assert len(flags) == 1
+  flag = flags[0]
+  assert (flag.rank, flag.metric, flag.since) == (1, "host", 31) and flag.at <= 31 + 10
+  assert flag.score == pytest.approx(0.5, rel=0.2)
+  assert "straggler: rank 1" in flag.describe() and "host" in flag.describe()
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 16])
+def test_clean_noisy_runs_flag_nobody(ranks):
+  rng = np.random.default_rng(100 + ranks)
+  detector = straggler.StragglerDetector(window=10)
+  for step, values, step_time in _phases(rng, ranks, 300, spikes=0.05):
+    assert detector.update(step, values, step_time) == []
+
+
+def test_a_rank_hiccuping_shorter_than_the_window_is_not_flagged():
+  detector = straggler.StragglerDetector(window=10)
+  rng = np.random.default_rng(1)
+  for step, values, step_time in _phases(rng, 4, 60, slow=3, factor=1.0, start=20):
+    if not 20 <= step <= 28:   # slow for 9 steps (20..28), healthy before and after
+      values[3]["host"] = values[0]["host"]
+    if step > 40:
+      break
+    assert not detector.update(step, values, step_time)
+
+
+def test_host_probes_flag_a_slow_machine_by_ratio():
+  detector = straggler.StragglerDetector(threshold=1.0, window=3, unit="ratio")
+  rng = np.random.default_rng(2)
+  flags = []
+  for beat in range(8):
+    values = {r: {"probe_ms": rng.uniform(0.8, 1.2) * (3.0 if r == 2 and beat >= 2 else 1.0),
+                  "rss_mb": 500 + rng.uniform(-20, 20)} for r in range(4)}
+    flags += detector.update(beat, values)
+  assert [(f.rank, f.metric, f.since, f.at) for f in flags] == [(2, "probe_ms", 2, 4)]
+
+
+def test_step_table_waits_for_every_rank_and_skips_lost_steps():
+  table = straggler.StepTable()
+  table.add(0, 1, {"host": 0.1, "sync": 0.2})
+  assert list(table.ready([0, 1])) == []
+  table.add(1, 1, {"host": 0.3, "sync": 0.0})
+  table.add(0, 2, {"host": 0.1})          # rank 1's step 2 was lost
+  table.add(0, 3, {"host": 0.1})
+  table.add(1, 3, {"host": 0.1})
+  rows = list(table.ready([0, 1]))
+  assert [s for s, _, _ in rows] == [1, 3]
+  step, own, step_time = rows[0]
+  assert own[1]["host"] == 0.3 and "sync" not in own[0] and step_time == pytest.approx(0.3)
+
+
+# -- hang localisation -------------------------------------------------------------------------
+
+def _report(rank, phase, step, code):
+  return hang.RankReport(rank, phase, step, code, {"data": [rank // 2], "tensor": [rank % 2]})
+
+
+def test_localize_names_the_rank_that_is_elsewhere():
+  waiting = "train.py:_check"
+  reports = [_report(r, "sync", 51, waiting) for r in (0, 1, 3)] + \
+      [_report(2, "host", 50, "faults.py:before_step")]
+  out = hang.localize(reports)
+  assert out["odd_ranks"] == [2] and out["groups"][0]["ranks"] == [0, 1, 3]
+  # Two ranks: no majority; the one behind is named, then the one not waiting on a result.
+  assert hang.localize([_report(0, "host", 50, "faults.py:before_step"),
+                        _report(1, "sync", 51, waiting)])["odd_ranks"] == [0]
+  assert hang.localize([_report(0, "sync", 50, waiting),
+                        _report(1, "data_wait", 50, "data.py:__next__")])["odd_ranks"] == [1]
+  assert hang.localize([_report(r, "sync", 9, waiting) for r in range(4)])["odd_ranks"] == []
+  assert hang.format_coords({"data": [1], "fsdp": [0], "tensor": [0, 1, 2, 3]}) == \
+      "data 1, fsdp 0, tensor 0-3"
+
+
+_BLOCKED = """
+import sys, threading, time
+from mscale_jax.resilience import hang
+hang.install_stack_dump(sys.argv[1])
+def stuck_in_a_collective():
+  print("ready", flush=True)
+  threading.Event().wait()
+threading.Thread(target=lambda: time.sleep(60), daemon=True).start()
+stuck_in_a_collective()
+"""
+
+
+def test_a_signal_dumps_a_blocked_process_stacks(tmp_path):
+  path = tmp_path / "stacks" / "rank0.txt"
+  proc = subprocess.Popen([sys.executable, "-c", _BLOCKED, str(path)], cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.PIPE,
+                          text=True, start_new_session=True)
+  try:
+    assert proc.stdout.readline().strip() == "ready"
+    os.kill(proc.pid, hang.DUMP_SIGNAL)
+    deadline = time.monotonic() + 20
+    while "stuck_in_a_collective" not in (path.read_text() if path.exists() else ""):
+      assert time.monotonic() < deadline and proc.poll() is None
+      time.sleep(0.05)
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+  frames = hang.main_thread_frames(path.read_text())
+  assert [f for _, _, f in frames][:2] == ["wait", "wait"]   # Event.wait -> Condition.wait
+  assert frames[-2][2] == "stuck_in_a_collective" and frames[-1][2] == "<module>"
+  assert hang.where_in_code(frames, packages=("<string>",)) == "<string>:stuck_in_a_collective"
