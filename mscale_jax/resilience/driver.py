@@ -267,10 +267,12 @@ class Driver:
       if p.poll() == 0:
         continue
       step, phase, since = group.progress.get(rank, (0, events.STARTING, group.started))
-      # Until some rank has finished a step, ranks wait for each other's compilation.
+      # Until some rank has finished a step, ranks wait for each other's compilation; from
+      # then on every rank's clock runs.
       starting = group.first_step_at is None or phase in (events.STARTING, events.COMPILING,
                                                           events.RESTORING)
       allowed = o.startup_timeout_s if starting else limit
+      since = max(since, group.first_step_at or since)
       if now - since > allowed:
         return events.Failure(events.HANG, rank, f"no progress for {now - since:.0f} s in phase "
                               f"{phase!r} at step {step} (limit {allowed:.0f} s)", step=step)
