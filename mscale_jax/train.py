@@ -216,7 +216,7 @@ class Trainer:
     # Spans of this rank's loop (WORKDIR/timeline) and the profiler window: resilience/.
     tl = self.timeline = timeline_lib.start_for_trainer(self.workdir, self.mesh, hooks,
                                                         enabled=t.timeline)
-    profiler = ProfilerWindow(t.profile_steps, t.steps, self.workdir, jax.process_index())
+    profiler = ProfilerWindow(t.profile_steps, t.steps, self.workdir, jax.process_index(), tl)
     hooks.phase(events.RESTORING)
     tl.phase("restore")
     state, start = self.restore_or_init()

@@ -21,7 +21,8 @@ HANG = "hang"                # no step advance (or no heartbeat) within the hang
 NONFINITE = "nonfinite"      # a non-finite loss or gradient norm with train.on_nonfinite=stop
 EXCEPTION = "exception"      # a Python exception in a worker
 FATAL_LOG = "fatal_log"      # a log line matching FATAL_LOG_PATTERNS
-FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG)
+STRAGGLER = "straggler"      # a rank flagged slow, with the driver's straggler policy 'evict'
+FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER)
 
 # Exit statuses of experiments.train beyond 0 (done), 1 (exception) and 2 (bad input).
 EXIT_NONFINITE = 3

@@ -26,6 +26,7 @@ def install_stack_dump(path: str) -> None:
   faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
 
 
+ENTRY_POINTS = ("<module>", "_run_module_as_main")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
@@ -33,8 +34,9 @@ def main_thread_frames(dump: str) -> list[tuple[str, int, str]]:
   """(file, line, function) of the main thread's stack in a faulthandler dump, innermost first.
 
   faulthandler writes 'Current thread 0x... (most recent call first):' or 'Thread 0x...'
-  blocks; the main thread is the one whose outermost frame is the program's entry point.
-  The last dump in the text wins.
+  blocks; the main thread is the one whose outermost frame is the program's entry point
+  (`<module>` of a script, runpy's `_run_module_as_main` under `python -m`). The last dump in
+  the text wins.
   """
   blocks, current = [], None
   for line in dump.splitlines():
@@ -45,9 +47,7 @@ def main_thread_frames(dump: str) -> list[tuple[str, int, str]]:
       current.append((m["file"], int(m["line"]), m["func"]))
   if not blocks:
     return []
-  # A new dump starts where a block's stack is outermost at <module> again after others:
-  # the main thread's outermost frame is '<module>' (python -m / a script).
-  mains = [b for b in blocks if b and b[-1][2] == "<module>"]
+  mains = [b for b in blocks if b and b[-1][2] in ENTRY_POINTS]
   return mains[-1] if mains else blocks[-1]
 
 

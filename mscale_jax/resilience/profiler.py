@@ -14,8 +14,9 @@ from mscale_jax.config import profile_window
 class ProfilerWindow:
   """Starts the trace before step START is dispatched, stops it once step END is done."""
 
-  def __init__(self, spec: str, steps: int, workdir: str, rank: int):
+  def __init__(self, spec: str, steps: int, workdir: str, rank: int, timeline=None):
     self.window = profile_window(spec, steps)
+    self.timeline = timeline   # starting and stopping show as 'profile' spans
     self.directory = os.path.join(workdir, "profile", f"rank{rank}")
     self.rank = rank
     self.active = False
@@ -23,14 +24,22 @@ class ProfilerWindow:
   def before_step(self, step: int) -> None:
     if self.window and step == self.window[0] and not self.active:
       os.makedirs(self.directory, exist_ok=True)
+      self._phase("profile")
       jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
       self.active = True
+      self._phase("host")
 
   def after_step(self, step: int, outputs) -> None:
     """Call after dispatching step `step`; `outputs` are what it returned (waited for at END)."""
     if self.active and step == self.window[1]:
+      self._phase("profile")
       jax.block_until_ready(outputs)
       self.stop()
+      self._phase("host")
+
+  def _phase(self, name: str) -> None:
+    if self.timeline is not None:
+      self.timeline.phase(name)
 
   def stop(self) -> None:
     if self.active:

@@ -14,9 +14,13 @@ Pure numpy; the driver feeds it what heartbeats carry (resilience/driver.py):
 * per heartbeat, host probes (a local matmul's time, CPU share, resident memory): distance is
   the ratio to the others' median minus one (`threshold` 1.0: twice the others).
 
+Each rank's metrics (and the step time) are first averaged over the last `smooth` updates: the
+loop moves work between neighbouring iterations (a step's result is fetched one iteration late,
+two at once after a logged step), and a single hiccup should not break a streak or start one.
 With 5 or more ranks a rank must also be a robust outlier (more than `z` scaled median absolute
 deviations above the others), so a wide but healthy spread flags nobody. A rank is flagged once
-it was abnormal on `window` consecutive updates; the flag names the metric it was most often
+it was abnormal on `window` consecutive (smoothed) updates, so a slowdown shorter than
+`window - smooth + 1` updates is never flagged; the flag names the metric it was most often
 furthest out on and the first update of the streak ("since"). A flag clears after `window`
 normal updates in a row.
 """
@@ -63,13 +67,15 @@ class StragglerDetector:
     window: consecutive abnormal updates before a flag (the continuity window).
     unit: 'step' (seconds per iteration, distance as a fraction of the step time) or 'ratio'
       (distance = value / median of the others - 1).
+    smooth: updates each rank's metrics are averaged over before scoring.
     z: with >= `min_ranks_for_z` ranks, also required: value - median of others > z x 1.4826
       x MAD of the others.
   """
 
   def __init__(self, *, threshold: float = 0.1, window: int = 10, unit: str = "step",
-               z: float = 3.0, min_ranks_for_z: int = 5):
+               smooth: int = 4, z: float = 3.0, min_ranks_for_z: int = 5):
     self.threshold, self.window, self.unit = threshold, window, unit
+    self._recent = collections.deque(maxlen=smooth)   # (values, step time) of recent updates
     self.z, self.min_ranks_for_z = z, min_ranks_for_z
     self.flags: list[Flag] = []
     self.active: dict[int, Flag] = {}
@@ -103,8 +109,13 @@ class StragglerDetector:
   def update(self, index: int, values: dict[int, dict[str, float]],
              step_time: float | None = None) -> list[Flag]:
     """One update (step or heartbeat round `index`): {rank: {metric: value}}; new flags."""
+    self._recent.append((values, step_time))
+    smoothed = {r: {m: float(np.mean([v.get(r, {}).get(m, 0.0) for v, _ in self._recent]))
+                    for m in values[r]} for r in values}
+    times = [t for _, t in self._recent if t is not None]
+    step_time = float(np.mean(times)) if times else None
     new = []
-    for rank, (metric, score, value, others) in self.distances(values, step_time).items():
+    for rank, (metric, score, value, others) in self.distances(smoothed, step_time).items():
       if score > self.threshold:
         self._calm[rank] = 0
         streak = self._streak[rank]
@@ -134,8 +145,8 @@ class StepTable:
   """Collects per-rank iteration records from heartbeats until every rank reported a step.
 
   `add(rank, step, phases)` with each heartbeat's [[step, {phase: s}], ...]; `ready(ranks)`
-  yields (step, {rank: {own phase: s}}, step time) for steps all `ranks` have reported, in
-  order. The step time is the median over ranks of the iteration's total.
+  yields (step, {rank: {own phase: s}}, {rank: iteration seconds}, step time) for steps all
+  `ranks` have reported, in order. The step time is the median of the ranks' iteration times.
   """
 
   def __init__(self):
@@ -153,9 +164,9 @@ class StepTable:
       row = self._rows.pop(step)
       if not ranks <= set(row):
         continue   # a rank's heartbeat with this step was lost: skip the step
-      step_time = float(np.median([sum(row[r].values()) for r in ranks]))
+      totals = {r: float(sum(row[r].values())) for r in ranks}
       own = {r: {p: row[r].get(p, 0.0) for p in OWN_PHASES} for r in ranks}
-      yield step, own, step_time
+      yield step, own, totals, float(np.median(list(totals.values())))
 
   def forget_before(self, step: int) -> None:
     """Drops rows before `step` (a rank restarted or left)."""

@@ -70,8 +70,13 @@ def chrome_trace(data: dict) -> dict:
                    "args": {"name": "driver"}})
     for e in data["driver"]:
       start, end = us(e["start"]), us(e.get("end", e["start"]))
-      events.append({"ph": "X", "name": e["name"], "pid": DRIVER_PID, "tid": 0, "ts": start,
-                     "dur": end - start, "args": e.get("args", {})})
+      if end == start:   # a moment: a straggler flag, a declared hang
+        events.append({"ph": "i", "s": "p", "name": e["name"], "pid": DRIVER_PID, "tid": 2,
+                       "ts": start, "args": e.get("args", {})})
+      else:              # attempts on one thread, restarts (which overlap them) on another
+        events.append({"ph": "X", "name": e["name"], "pid": DRIVER_PID,
+                       "tid": 1 if e["name"] == "restart" else 0, "ts": start,
+                       "dur": end - start, "args": e.get("args", {})})
   return {"traceEvents": events, "displayTimeUnit": "ms",
           "otherData": {"origin_unix_s": origin, "clock": "each rank's wall clock plus the "
                         "offset the driver measured from its heartbeats (clock_offsets.json)"}}
