@@ -87,26 +87,6 @@ def test_profile_steps_spec_is_validated():
       profile_window(bad, 10)
 
 
-def test_tiny_run_writes_timeline_profile_trace_and_heatmap(tiny_config, tmp_path):
-  from mscale_jax.train import Trainer
-  config = tiny_config(train=dict(steps=4, global_batch=4, log_every=2, eval_every=4,
-                                  eval_batches=1, checkpoint_every=4, profile_steps="2:3"))
-  Trainer(config, str(tmp_path), show_progress=False).train()
-  profiles = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "profile" / "rank0")
-              for f in files]
-  assert any(p.endswith(".xplane.pb") and os.path.getsize(p) > 0 for p in profiles)
-  out = trace.merge(str(tmp_path))
-  with open(out["trace"]) as f:
-    spans = _assert_valid_trace(json.load(f), [0])
-  names = {e["name"] for e in spans}
-  assert {"restore", "compile", "data_wait", "host_to_device", "dispatch", "sync", "host",
-          "log", "eval", "checkpoint_stall", "checkpoint_write"} <= names
-  assert sorted({e["args"]["step"] for e in spans if e["name"] == "dispatch"}) == [1, 2, 3, 4]
-  with open(out["heatmap"], "rb") as f:
-    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-  assert out["summary_data"]["ranks"][0]["iterations"] == 4
-
-
 # -- straggler detection -----------------------------------------------------------------------
 
 def _phases(rng, ranks, steps, slow=None, factor=0.0, start=0, spikes=0.0):
@@ -244,3 +224,91 @@ def test_a_signal_dumps_a_blocked_process_stacks(tmp_path):
   frames = hang.main_thread_frames(path.read_text())
   assert frames[-2][2] == "stuck_in_a_collective" and frames[-1][2] == "<module>"
   assert hang.where_in_code(frames, packages=("<string>",)) == "<string>:stuck_in_a_collective"
+
+
+# -- the driver, end to end: 2 processes x 4 devices -------------------------------------------
+
+TRAIN_ARGS = ["--config=experiments/configs/gpt_tiny.py", "--config.train.steps=16",
+              "--config.train.log_every=1", "--config.train.eval_every=16",
+              "--config.train.checkpoint_every=16", "--config.optimizer.warmup_steps=1",
+              "--config.model.hidden=32", "--config.model.mlp_dim=64",
+              "--config.model.seq_len=32", "--config.train.global_batch=8",
+              "--config.data.prefetch=0", "--config.train.profile_steps=2:3"]
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _session_processes(sid: int) -> list[int]:
+  pids = []
+  for entry in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    if int(fields[3]) == sid and fields[0] != "Z":
+      pids.append(int(entry))
+  return pids
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+  """One supervised run: rank 1 is 1.5x slow from the start, rank 0 hangs before step 14; no
+  restart, so the run ends after the hang is localised. Every process it started is killed."""
+  workdir = tmp_path_factory.mktemp("drill")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "experiments.launch", f"--workdir={workdir}", "--heartbeat_s=0.5",
+       f"--xla_flags={FAST_XLA}", "--fault=slow:rank=1:factor=1.5",
+       "--fault=hang:rank=0:step=14", "--hang_timeout_s=8", "--hang_step_factor=3",
+       "--max_restarts=0", "--status_every_s=0", "--", *TRAIN_ARGS],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  try:
+    output, _ = proc.communicate(timeout=300)
+  finally:
+    leftovers = _session_processes(proc.pid)
+    for pid in leftovers:
+      os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+  assert not leftovers, f"processes left behind: {leftovers}\n{output[-3000:]}"
+  with open(workdir / "resilience" / "report.json") as f:
+    return workdir, output, json.load(f)
+
+
+def test_the_driver_flags_the_slow_rank_naming_its_phase(drill):
+  workdir, output, report = drill
+  flags = report["observability"]["straggler_flags"]
+  assert [(f["rank"], f["metric"]) for f in flags] == [(1, "host")], output[-3000:]
+  assert flags[0]["at"] <= 30 and flags[0]["unit"] == "step"
+  assert "straggler: rank 1: host" in output
+  with open(workdir / "resilience" / "stragglers.jsonl") as f:
+    assert [json.loads(line)["rank"] for line in f] == [1]
+
+
+def test_the_driver_localises_the_hung_rank(drill):
+  workdir, output, report = drill
+  (failure,) = report["failures"]
+  assert failure["kind"] == "hang" and failure["injected"] == "hang:rank=0:step=14"
+  (where,) = report["observability"]["hang_localisations"]
+  assert where["odd_ranks"] == [0], output[-3000:]
+  ranks = {r["rank"]: r for r in where["ranks"]}
+  assert ranks[0]["code"] == "faults.py:before_step" and ranks[0]["step"] == 13
+  assert ranks[0]["coords"]["data"] == [0] and ranks[1]["coords"]["data"] == [1]
+  assert "not where the others are: rank 0 (data 0" in output
+
+
+def test_the_run_leaves_a_merged_trace_profiles_and_per_rank_scalars(drill):
+  workdir, output, report = drill
+  with open(workdir / "timeline" / "trace.json") as f:
+    spans = _assert_valid_trace(json.load(f), [0, 1])
+  names = {e["name"] for e in spans}
+  assert {"restore", "compile", "data_wait", "host_to_device", "dispatch", "sync", "host",
+          "profile", "attempt 0"} <= names
+  for rank in (0, 1):
+    profile = workdir / "profile" / f"rank{rank}"
+    assert any(f.endswith(".xplane.pb") for _, _, files in os.walk(profile) for f in files)
+    assert os.listdir(workdir / "tensorboard" / f"rank{rank}")
+  with open(workdir / "timeline" / "heatmap.png", "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert f"jax.profiler trace of steps 2-3" in open(
+      next((workdir / "logs").glob("attempt0-rank1.log"))).read()

@@ -1,8 +1,10 @@
 """Hang localisation (MegaScale §5.2): every live worker says where it is; the odd one is named.
 
-A worker installs `install_stack_dump(path)`: on SIGUSR1, Python's faulthandler writes every
-thread's stack to `path` from C, so it works even while the main thread is blocked inside XLA
-waiting on a collective. When the driver declares a hang it signals every live worker, reads
+A worker installs `install_stack_dump(path)`: on SIGUSR1, Python's faulthandler writes the
+main thread's stack to `path` from C, so it works even while that thread is blocked inside XLA
+waiting on a collective (Linux hands a process-directed signal to the main thread first). Only
+the signalled thread is dumped: walking the other, running threads' frames from a signal
+handler crashed a worker in a drill (faulthandler documents it as unsafe). When the driver declares a hang it signals every live worker, reads
 the dumps, adds each rank's last reported loop phase and step (its heartbeat) and its mesh
 coordinates, and `localize()` names the ranks that are not where the others are. Also handy by
 hand: `kill -USR1 <pid>` dumps a running worker's stacks into WORKDIR/resilience/stacks/.
@@ -19,11 +21,11 @@ _open_files = []   # faulthandler needs the file kept open
 
 
 def install_stack_dump(path: str) -> None:
-  """On SIGUSR1, append all threads' Python stacks to `path` (this process, from now on)."""
+  """On SIGUSR1, append the main thread's Python stack to `path` (this process, from now on)."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
   f = open(path, "a")
   _open_files.append(f)
-  faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
+  faulthandler.register(DUMP_SIGNAL, file=f, all_threads=False, chain=False)
 
 
 ENTRY_POINTS = ("<module>", "_run_module_as_main")
@@ -33,14 +35,14 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+
 def main_thread_frames(dump: str) -> list[tuple[str, int, str]]:
   """(file, line, function) of the main thread's stack in a faulthandler dump, innermost first.
 
-  faulthandler writes 'Current thread 0x... (most recent call first):' or 'Thread 0x...'
-  blocks; the main thread is the one whose outermost frame is the program's entry point
+  faulthandler writes 'Stack (most recent call first):', or with all threads 'Current
+  thread 0x... (most recent call first):' and 'Thread 0x...' blocks; the main thread is the one whose outermost frame is the program's entry point
   (`<module>` of a script, runpy's `_run_module_as_main` under `python -m`). The last dump in
   the text wins.
   """
   blocks, current = [], None
   for line in dump.splitlines():
-    if line.startswith(("Thread 0x", "Current thread 0x")):
+    if line.startswith(("Thread 0x", "Current thread 0x", "Stack (most recent call first)")):
       current = []
       blocks.append(current)
     elif current is not None and (m := _FRAME.search(line)):
@@ -121,7 +123,7 @@ def localize(reports: list[RankReport]) -> dict:
 
 
 def format_coords(coords: dict) -> str:
-  """'data 1, tensor 0-3' of {axis: [indices]} (axes of size one left out)."""
+  """'data 1, tensor 0-3' of {axis: [indices]}."""
   parts = []
   for axis, idx in coords.items():
     if not idx:

@@ -34,7 +34,8 @@ def write(data: dict, path: str, title: str | None = None) -> str:
   fig, (left, right) = plt.subplots(
       1, 2, figsize=(12, 1.6 + 0.35 * max(len(ranks), 2)),
       gridspec_kw={"width_ratios": [3, max(len(phases), 1) * 0.35 + 0.5]})
-  image = left.imshow(1e3 * own, aspect="auto", interpolation="nearest", cmap="inferno",
+  cmap = matplotlib.colormaps["inferno"].with_extremes(bad="lightgrey")   # grey: no data
+  image = left.imshow(1e3 * own, aspect="auto", interpolation="nearest", cmap=cmap,
                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(ranks) - 0.5, -0.5)
                       if steps else None)
   left.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
