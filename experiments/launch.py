@@ -64,6 +64,9 @@ _STRAGGLER_THRESHOLD = flags.DEFINE_float("straggler_threshold", 0.1, "A rank is
                                           "by this fraction of a step.")
 _STRAGGLER_WINDOW = flags.DEFINE_integer("straggler_window", 10, "Consecutive abnormal steps "
                                          "before a straggler is flagged.")
+_HOST_PROBES = flags.DEFINE_bool("straggler_host_probes", False, "Also flag ranks whose host "
+                                  "probes (a small matmul's time, memory) stand out; meaningful "
+                                  "when each worker has its own cores.")
 _STATUS_EVERY = flags.DEFINE_float("status_every_s", 30.0, "Seconds between the driver's "
                                    "status screens (0: none).")
 
@@ -162,7 +165,8 @@ def main(argv):
       self_check=_SELF_CHECK.value, faults=tuple(faults), xla_flags=_XLA_FLAGS.value,
       straggler_policy=_STRAGGLER_POLICY.value, straggler_threshold=_STRAGGLER_THRESHOLD.value,
       straggler_window=_STRAGGLER_WINDOW.value, status_every_s=_STATUS_EVERY.value,
-      tokens_per_step=config.train.global_batch * config.model.seq_len)
+      tokens_per_step=config.train.global_batch * config.model.seq_len,
+      straggler_host_probes=_HOST_PROBES.value)
   print(f"[launch] {config.name}: {_NUM_PROCESSES.value} processes x {_DEVICES.value} devices, "
         f"workdir {workdir}", flush=True)
   # A scheduler's SIGTERM ends the driver like Ctrl-C does: the worker group is killed first.

@@ -129,6 +129,10 @@ def main(argv):
     if key == "mfu":
       value = f"{100 * value:.2f}% (Megatron FLOPs/token {summary['flops_per_token']:.4g})"
     print(f"  {key:18s} {value}")
+  if config.train.timeline and not os.environ.get("MSCALE_COORDINATOR"):
+    from mscale_jax.resilience import trace   # under the driver, the driver merges
+    merged = trace.merge(workdir)
+    print(f"  {'timeline':18s} {merged['trace']} (heat-map {merged['heatmap']})")
   if _RECORD.value:
     from experiments import results
     path = results.write_record(f"train-{config.name}", summary,

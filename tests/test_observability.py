@@ -312,3 +312,51 @@ def test_the_run_leaves_a_merged_trace_profiles_and_per_rank_scalars(drill):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert f"jax.profiler trace of steps 2-3" in open(
       next((workdir / "logs").glob("attempt0-rank1.log"))).read()
+
+
+# -- the driver's observer, without processes ----------------------------------------------------
+
+class _Proc:
+  def poll(self):
+    return None
+
+
+class _Group:
+  attempt, slots, started = 0, [0, 3], 0.0
+  procs = [_Proc(), _Proc()]
+
+
+def _beat(rank, steps, host_s):
+  from mscale_jax.resilience import events
+  return events.Heartbeat(rank=rank, host="h", pid=1, phase=events.TRAINING, step=steps[-1],
+                          step_phases=[[s, {"dispatch": 0.1, "sync": 0.05, "host": host_s,
+                                            "data_wait": 0.001}] for s in steps],
+                          where=["sync", steps[-1] + 1, 0.1])
+
+
+@pytest.mark.parametrize("policy", ["warn", "evict"])
+def test_observer_flags_a_straggler_from_heartbeats(tmp_path, policy):
+  from mscale_jax.resilience import events
+  from mscale_jax.resilience.observer import Observer
+  said = []
+  observer = Observer(str(tmp_path), said.append, policy=policy, window=5, status_every_s=0,
+                      tokens_per_step=256)
+  observer.start_group(_Group())
+  failure = None
+  for first in range(1, 31, 3):   # heartbeats carrying 3 iterations each
+    steps = list(range(first, first + 3))
+    observer.receive(_beat(0, steps, 0.001), 0.0)
+    observer.receive(_beat(1, steps, 0.08), 0.0)   # slot 3 spends 80 ms more in 'host'
+    failure = failure or observer.observe(now=first)
+  (flag,) = observer.flags
+  assert (flag["rank"], flag["slot"], flag["metric"], flag["since"]) == (1, 3, "host", 1)
+  assert any("straggler: rank 1: host" in line and "slot 3" in line for line in said)
+  with open(tmp_path / "resilience" / "stragglers.jsonl") as f:
+    assert json.loads(f.readline())["rank"] == 1
+  if policy == "evict":
+    assert failure.kind == events.STRAGGLER and failure.rank == 1 and failure.step == flag["at"]
+  else:
+    assert failure is None
+  screen = observer.status(now=40.0)
+  assert "STRAGGLER(host)" in screen.splitlines()[3] and "tokens/s" in screen.splitlines()[0]
+  assert os.listdir(tmp_path / "tensorboard" / "rank1")

@@ -64,6 +64,7 @@ class DriverOptions:
   straggler_window: int = 10
   status_every_s: float = 30.0
   tokens_per_step: int = 0
+  straggler_host_probes: bool = False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -112,7 +113,8 @@ class Driver:
                              threshold=options.straggler_threshold,
                              window=options.straggler_window,
                              status_every_s=options.status_every_s,
-                             tokens_per_step=options.tokens_per_step)
+                             tokens_per_step=options.tokens_per_step,
+                             host_probes=options.straggler_host_probes)
 
   def say(self, message: str) -> None:
     print(f"[driver] {message}", file=self.out, flush=True)

@@ -32,11 +32,17 @@ class Observer:
     threshold, window: the step-phase detector's (straggler.StragglerDetector).
     status_every_s: period of the status screen (0: never).
     tokens_per_step: global batch x sequence length (for tokens/s on the status screen).
+    host_probes: also flag ranks by their host probes (matmul time, memory). The probe runs on
+      the worker's heartbeat thread, beside its training threads; where workers share cores
+      (this 2-core machine) it measures that contention, not the host, and flagged a healthy
+      rank in a drill, so it is off unless asked for.
   """
 
   def __init__(self, workdir: str, say, *, policy: str = "warn", threshold: float = 0.1,
-               window: int = 10, status_every_s: float = 30.0, tokens_per_step: int = 0):
+               window: int = 10, status_every_s: float = 30.0, tokens_per_step: int = 0,
+               host_probes: bool = False):
     self.workdir, self.say, self.policy = workdir, say, policy
+    self.host_probes = host_probes
     self.threshold, self.window = threshold, window
     self.status_every_s, self.tokens_per_step = status_every_s, tokens_per_step
     self.state_dir = os.path.join(workdir, "resilience")
@@ -87,7 +93,7 @@ class Observer:
       self.clock_offsets[beat.rank] = min(self.clock_offsets.get(beat.rank, offset), offset)
       for step, phases in beat.step_phases or ():
         self._table.add(beat.rank, step, phases)
-      if beat.host_metrics and beat.phase == events.TRAINING:
+      if self.host_probes and beat.host_metrics and beat.phase == events.TRAINING:
         self._probes[beat.rank].append(beat.host_metrics)
         new_flags += self._host_update()
     live = [r for r, p in enumerate(group.procs) if p.poll() is None]
@@ -113,7 +119,7 @@ class Observer:
       return []
     self._host_round += 1
     values = {r: {k: float(np.median([p[k] for p in probes if p is not None]))
-                  for k in ("probe_ms", "rss_mb")} for r, probes in self._probes.items()}
+                  for k in straggler.HOST_METRICS} for r, probes in self._probes.items()}
     for probes in self._probes.values():
       probes.append(None)   # marks the round as used
     return self._hosts.update(self._host_round, values)

@@ -11,7 +11,8 @@ Pure numpy; the driver feeds it what heartbeats carry (resilience/driver.py):
   median of the other ranks, as a fraction of the job's step time ("rank 1 spends 0.48 of a
   step more in `host` than the others"); `threshold` is that fraction (default 0.1: the paper's
   "~10% slower machines").
-* per heartbeat, host probes (a local matmul's time, CPU share, resident memory): distance is
+* per heartbeat, host probes (a local matmul's time, resident memory; off by default, see
+  observer.py): distance is
   the ratio to the others' median minus one (`threshold` 1.0: twice the others).
 
 Each rank's metrics (and the step time) are first averaged over the last `smooth` updates: the
@@ -30,7 +31,7 @@ import dataclasses
 import numpy as np
 
 OWN_PHASES = ("data_wait", "host_to_device", "host", "log", "eval", "checkpoint_stall")
-HOST_METRICS = ("probe_ms", "cpu_frac", "rss_mb")
+HOST_METRICS = ("probe_ms", "rss_mb")   # the host probes the detector compares
 
 
 @dataclasses.dataclass
