@@ -55,6 +55,10 @@ _FAULTS = flags.DEFINE_multi_string("fault", [], "Inject a fault (repeatable): k
 _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA_FLAGS for the workers.")
 _EMIT = flags.DEFINE_enum("emit", "local", ["local", "slurm", "kubernetes"], "Run locally, or "
                           "write a Slurm batch script / Kubernetes JobSet manifest.")
+_WATCH = flags.DEFINE_bool("watch", False, "Cluster mode (used by the generated job files): "
+                           "the scheduler starts the workers; only watch their heartbeats, "
+                           "and exit 1 at the first failure detected.")
+_ATTEMPT = flags.DEFINE_integer("attempt", 0, "With --watch: which (re)start this is.")
 _IMAGE = flags.DEFINE_string("image", "mscale-jax:latest", "Container image (kubernetes).")
 _STRAGGLER_POLICY = flags.DEFINE_enum("straggler_policy", "warn", ["warn", "evict"],
                                       "On a straggler: print and record it (warn), or also "
@@ -126,9 +130,10 @@ def check_inputs(train_args: list[str]):
     limit, name = (slots, "slot") if f.kind == "bad_slot" else (n, "rank")
     if getattr(f, name) >= limit:
       raise ConfigError("--fault", f.spec, f"a {name} below {limit}")
-  if _EMIT.value == "local":
+  if _EMIT.value == "local" and not _WATCH.value:
     check_port_free(_HOST.value, _PORT.value, "--coordinator_port" if _PORT.value
                     else "--coordinator_host")
+  if _EMIT.value == "local":
     check_port_free(_HOST.value, _HEARTBEAT_PORT.value, "--heartbeat_port")
   return config, faults
 
@@ -150,7 +155,8 @@ def main(argv):
         devices_per_process=_DEVICES.value, coordinator_port=_PORT.value or 1234,
         heartbeat_port=_HEARTBEAT_PORT.value or 8470, train_args=train_args,
         workdir=workdir, image=_IMAGE.value, faults=[f.spec for f in faults],
-        heartbeat_s=_HEARTBEAT_S.value)
+        heartbeat_s=_HEARTBEAT_S.value, hang_timeout_s=_HANG.value,
+        max_restarts=_RESTARTS.value, repo=os.getcwd())
     path = cluster.write(spec, _EMIT.value, workdir)
     print(f"[launch] wrote {path}")
     return
@@ -167,6 +173,9 @@ def main(argv):
       straggler_window=_STRAGGLER_WINDOW.value, status_every_s=_STATUS_EVERY.value,
       tokens_per_step=config.train.global_batch * config.model.seq_len,
       straggler_host_probes=_HOST_PROBES.value)
+  if _WATCH.value:
+    report = Driver(options).watch(_ATTEMPT.value)
+    sys.exit(0 if report["completed"] else 1)
   print(f"[launch] {config.name}: {_NUM_PROCESSES.value} processes x {_DEVICES.value} devices, "
         f"workdir {workdir}", flush=True)
   # A scheduler's SIGTERM ends the driver like Ctrl-C does: the worker group is killed first.

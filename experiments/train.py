@@ -129,6 +129,14 @@ def main(argv):
     if key == "mfu":
       value = f"{100 * value:.2f}% (Megatron FLOPs/token {summary['flops_per_token']:.4g})"
     print(f"  {key:18s} {value}")
+  saves = [s for s in summary["checkpoint_saves"] if s["write_s"] is not None]
+  if saves:
+    print(f"  {'checkpoint_stall':18s} {max(s['stall_s'] for s in saves):.2f} s at most, "
+          f"then {max(s['write_s'] for s in saves):.2f} s of background write "
+          f"({len(saves)} saves)")
+  if summary["nonfinite_steps"]:
+    print(f"  {'nonfinite_steps':18s} {summary['nonfinite_steps']} "
+          f"({summary['on_nonfinite']}, {summary['rollbacks']} rollbacks)")
   if config.train.timeline and not os.environ.get("MSCALE_COORDINATOR"):
     from mscale_jax.resilience import trace   # under the driver, the driver merges
     merged = trace.merge(workdir)

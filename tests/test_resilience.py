@@ -236,3 +236,22 @@ def test_worker_with_an_unreachable_coordinator_is_one_line_and_exit_2(tmp_path)
     port.close()
   _one_error_line(result, f"coordinator='{address}'")
   assert not (tmp_path / "run").exists()
+
+
+def test_faults_fire_once_on_their_rank_and_slow_ranks_sleep(tmp_path):
+  import time
+  from mscale_jax.resilience.faults import FaultInjector
+  faults = parse_faults(["nan:step=3", "exception:rank=1:step=2", "slow:rank=1:factor=3:step=4"])
+  rank0 = FaultInjector(faults, 0, str(tmp_path))
+  rank1 = FaultInjector(faults, 1, str(tmp_path))
+  rank0.before_step(2)                       # the exception is rank 1's
+  with pytest.raises(RuntimeError, match="injected fault exception"):
+    rank1.before_step(2)
+  rank1.before_step(2)                       # fired once: a replayed step 2 passes
+  assert [rank0.loss_scale(s) for s in (2, 4)] == [1.0, 1.0]
+  assert np.isnan(rank0.loss_scale(3)) and rank0.loss_scale(3) == 1.0
+  marker = json.load(open(tmp_path / "0-nan-rank0.json"))
+  assert marker["step"] == 3 and marker["fault"] == "nan:step=3"
+  start = time.perf_counter()
+  rank1.slow_down(4, 0.05)                   # sleeps (factor - 1) x the step's time
+  assert time.perf_counter() - start >= 0.1

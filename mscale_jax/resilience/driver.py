@@ -173,6 +173,40 @@ class Driver:
     self.observer.finish(report)
     return report
 
+  def watch(self, attempt: int) -> dict:
+    """Cluster mode: the scheduler started the workers; only their heartbeats are watched.
+
+    Returns (and writes to resilience/report-attempt<attempt>.json) once every rank reports
+    'done', or at the first failure detected: the job script then ends the worker step and
+    starts the next attempt (cluster.py).
+    """
+    os.makedirs(self.state_dir, exist_ok=True)
+    self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port)
+    self.say(f"watching {self.o.num_processes} workers (attempt {attempt}) at {self.server.url}")
+    group = _Group(attempt, list(range(self.o.num_processes)))
+    self.server.listeners.append(self.observer.receive)
+    self.observer.start_group(group)
+    start, outcome = time.time(), "failed"
+    try:
+      while True:
+        beats = {r: b for r, (b, _) in self.server.latest().items() if b.attempt == attempt}
+        if len(beats) == self.o.num_processes and \
+            all(b.phase == events.DONE for b in beats.values()):
+          outcome = "completed"
+          break
+        failure = self._poll(group)
+        if failure is not None:
+          self._record(failure, group)
+          break
+        time.sleep(self.o.poll_s)
+    finally:
+      self.server.close()
+    self._step_times += group.step_times
+    self.attempts.append({"attempt": attempt, "slots": group.slots, "started": group.started,
+                          "ended": time.time(), "max_step": group.max_step,
+                          "failure": self.failures[-1]["kind"] if self.failures else None})
+    return self._report(outcome, time.time() - start, f"report-attempt{attempt}.json")
+
   def _start(self, attempt: int, slots: list[int]) -> _Group:
     o = self.o
     group = self._group = _Group(attempt, slots)
@@ -286,8 +320,9 @@ class Driver:
           group.first_step_at = received
     step_time = statistics.median(group.step_times[-20:]) if group.step_times else 0.0
     limit = max(o.hang_timeout_s, o.hang_step_factor * step_time)
-    for rank, p in enumerate(group.procs):
-      if p.poll() == 0:
+    for rank in range(len(group.slots)):
+      if (group.procs and group.procs[rank].poll() == 0) or \
+          (rank in beats and beats[rank][0].phase == events.DONE):
         continue
       step, phase, since = group.progress.get(rank, (0, events.STARTING, group.started))
       # Until some rank has finished a step, ranks wait for each other's compilation; from
@@ -386,7 +421,7 @@ class Driver:
 
   # -- the report ------------------------------------------------------------------------
 
-  def _report(self, outcome: str, wall_s: float) -> dict:
+  def _report(self, outcome: str, wall_s: float, name: str = "report.json") -> dict:
     steps = max([a["max_step"] for a in self.attempts], default=0)
     step_time = statistics.median(self._step_times) if self._step_times else None
     report = {"outcome": outcome, "completed": outcome == "completed", "wall_s": wall_s,
@@ -400,7 +435,7 @@ class Driver:
               "failures": self.failures, "excluded_slots": self.excluded,
               "attempts": self.attempts, "observability": self.observer.summary()}
     os.makedirs(self.state_dir, exist_ok=True)
-    path = os.path.join(self.state_dir, "report.json")
+    path = os.path.join(self.state_dir, name)
     with open(path + ".tmp", "w") as f:
       json.dump(report, f, indent=2, default=str)
     os.replace(path + ".tmp", path)

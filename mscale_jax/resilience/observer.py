@@ -96,7 +96,10 @@ class Observer:
       if self.host_probes and beat.host_metrics and beat.phase == events.TRAINING:
         self._probes[beat.rank].append(beat.host_metrics)
         new_flags += self._host_update()
-    live = [r for r, p in enumerate(group.procs) if p.poll() is None]
+    # Ranks still running (in the driver's watch mode, with no processes of its own: those
+    # that reported).
+    live = [r for r, p in enumerate(group.procs) if p.poll() is None] if group.procs \
+        else sorted(self._latest)
     for step, own, totals, step_time in self._table.ready(live):
       self._step_time.append(step_time)
       self._tensorboard(step, own, totals)

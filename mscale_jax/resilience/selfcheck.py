@@ -62,7 +62,7 @@ def probe_allgather(corrupt: bool, bandwidth_bytes: int = 1 << 22) -> dict:
 
 
 def probe_write(directory: str, size: int = 1 << 22) -> dict:
-  """Writes, fsyncs, reads back and removes a file under `directory`; {'ok', 'mbytes_per_s', ...}."""
+  """Writes, fsyncs, reads back and removes a file under `directory`: {'ok', 'mbytes_per_s'}."""
   path = os.path.join(directory, f".selfcheck-{os.getpid()}")
   data = os.urandom(size)
   try:

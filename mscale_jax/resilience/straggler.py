@@ -158,6 +158,8 @@ class StepTable:
 
   def ready(self, ranks):
     ranks = set(ranks)
+    if not ranks:
+      return
     complete = [s for s in sorted(self._rows) if ranks <= set(self._rows[s])]
     if not complete:
       return
