@@ -67,6 +67,7 @@ class Timeline:
     self.completed = collections.deque(maxlen=512)   # (step, {phase: seconds}) per iteration
     self._saves: list[tuple[dict, float]] = []        # (checkpointer save entry, stall end)
     self._probe_at = (time.process_time(), time.perf_counter())
+    self._probe_matrix = None
     self._stop = threading.Event()
     self._thread = None
     if not enabled:
@@ -129,8 +130,9 @@ class Timeline:
 
   def host_metrics(self) -> dict:
     """Host probes: a small local matmul's time, this process's CPU share, resident memory."""
-    a = np.random.default_rng(0).standard_normal((160, 160), dtype=np.float32)
-    best = float("inf")
+    if self._probe_matrix is None:
+      self._probe_matrix = np.random.default_rng(0).standard_normal((160, 160), np.float32)
+    a, best = self._probe_matrix, float("inf")
     for _ in range(3):
       start = time.perf_counter()
       a @ a
