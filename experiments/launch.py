@@ -12,7 +12,8 @@ devices or accelerators), watches their heartbeats, and restarts the group from 
 checkpoint after a failure (mscale_jax/resilience/driver.py); its report is
 WORKDIR/resilience/report.json and worker logs are in WORKDIR/logs/. With --emit=slurm or
 --emit=kubernetes it writes a batch script / JobSet manifest to WORKDIR instead, for the
-scheduler to start the workers (JAX's cluster auto-detection joins them).
+scheduler to start the workers (JAX's cluster auto-detection joins them); those files run
+this launcher beside the workers with --watch (heartbeats only; exit 1 at the first failure).
 
 Bad input (an unknown --fault, a process count the mesh cannot use, a port in use, a
 coordinator host this machine cannot serve) prints one line and exits with status 2 before
@@ -45,6 +46,8 @@ _HANG = flags.DEFINE_float("hang_timeout_s", 60.0, "A worker with no new step fo
 _HANG_FACTOR = flags.DEFINE_float("hang_step_factor", 20.0, "See --hang_timeout_s.")
 _STARTUP = flags.DEFINE_float("startup_timeout_s", 600.0, "Allowed time to start, restore "
                               "and compile.")
+_IO_TIMEOUT = flags.DEFINE_float("io_timeout_s", 120.0, "Allowed time for one checkpoint "
+                                 "save or evaluation (the first save sets orbax up).")
 _RESTARTS = flags.DEFINE_integer("max_restarts", 5, "Restart budget.")
 _SELF_CHECK = flags.DEFINE_bool("self_check", True, "Run the self-check diagnostics after a "
                                 "failure and exclude slots that fail them.")
@@ -167,7 +170,7 @@ def main(argv):
       coordinator_host=_HOST.value, coordinator_port=_PORT.value,
       heartbeat_port=_HEARTBEAT_PORT.value, heartbeat_s=_HEARTBEAT_S.value,
       hang_timeout_s=_HANG.value, hang_step_factor=_HANG_FACTOR.value,
-      startup_timeout_s=_STARTUP.value, max_restarts=_RESTARTS.value,
+      startup_timeout_s=_STARTUP.value, io_timeout_s=_IO_TIMEOUT.value, max_restarts=_RESTARTS.value,
       self_check=_SELF_CHECK.value, faults=tuple(faults), xla_flags=_XLA_FLAGS.value,
       straggler_policy=_STRAGGLER_POLICY.value, straggler_threshold=_STRAGGLER_THRESHOLD.value,
       straggler_window=_STRAGGLER_WINDOW.value, status_every_s=_STATUS_EVERY.value,

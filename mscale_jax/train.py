@@ -327,7 +327,7 @@ class Trainer:
           (metrics["finite"], metrics["loss"], metrics["grad_norm"]))
       self.timeline.phase("host")
       self.hooks.progress(done, float(loss), float(grad_norm), data_wait)
-      self.hooks.injector.slow_down(done, self.hooks.beat.step_time_s or 0.0)
+      self.hooks.injector.slow_down(done)
       if finite:
         continue
       detail = f"loss {float(loss)}, gradient norm {float(grad_norm)}"

@@ -62,6 +62,9 @@ def test_kubernetes_jobset(tmp_path):
   assert "job-completion-index" in env["MSCALE_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
   (watcher,) = driver["template"]["spec"]["containers"]
   assert "--watch" in watcher["command"] and "--num_processes=4" in watcher["command"]
+  # Driver and workers read the same restart attempt (Kubernetes expands $(VAR) in commands).
+  assert "--attempt=$(MSCALE_ATTEMPT)" in watcher["command"]
+  assert watcher["env"] == [env["MSCALE_ATTEMPT"]]
   assert watcher["ports"][0]["containerPort"] == 8470
 
 

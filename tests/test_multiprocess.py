@@ -121,8 +121,9 @@ def test_a_hang_is_detected_and_a_bad_slot_excluded(reference, tmp_path):
   assert status == 0 and report["completed"], output[-3000:]
   (hang,) = report["failures"]
   assert hang["kind"] == "hang" and hang["injected"] == "hang:rank=1:step=7"
-  # Declared once the configured 4 s without a new step have passed (plus polling).
-  assert 4 <= hang["detection_latency_s"] < 4 + 5
+  # Declared once 4 s (the configured timeout) passed without a new step; the latency is
+  # counted from the injection, which may come a little after the last step was reported.
+  assert 2 < hang["detection_latency_s"] < 4 + 5
   assert list(report["excluded_slots"]) == ["1"]
   assert "corrupt" in report["excluded_slots"]["1"]
   assert report["attempts"][-1]["slots"] == [0]

@@ -252,6 +252,9 @@ def test_faults_fire_once_on_their_rank_and_slow_ranks_sleep(tmp_path):
   assert np.isnan(rank0.loss_scale(3)) and rank0.loss_scale(3) == 1.0
   marker = json.load(open(tmp_path / "0-nan-rank0.json"))
   assert marker["step"] == 3 and marker["fault"] == "nan:step=3"
-  start = time.perf_counter()
-  rank1.slow_down(4, 0.05)                   # sleeps (factor - 1) x the step's time
-  assert time.perf_counter() - start >= 0.1
+  rank1.slow_down(3)                         # before its first step: starts the clock
+  step_start = time.perf_counter()
+  while time.perf_counter() - step_start < 0.05:   # a 50 ms "step" of work
+    pass
+  rank1.slow_down(4)                         # sleeps (factor - 1) x the step's own time
+  assert time.perf_counter() - step_start >= 0.05 + 2 * 0.05

@@ -108,12 +108,13 @@ def jobset_manifest(job: ClusterJob) -> dict:
   heartbeat_url = f"http://{job.name}-driver-0-0.{job.name}:{job.heartbeat_port}/heartbeat"
   index = {"valueFrom": {"fieldRef": {
       "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
+  # JobSet labels each pod with its restart attempt; driver and workers must agree on it.
+  attempt = {"name": "MSCALE_ATTEMPT", "valueFrom": {"fieldRef": {
+      "fieldPath": "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"}}}
   worker_env = [{"name": "MSCALE_COORDINATOR", "value": coordinator},
                 {"name": "MSCALE_NUM_PROCESSES", "value": str(job.num_processes)},
                 {"name": "MSCALE_PROCESS_ID", **index},
-                {"name": "MSCALE_HEARTBEAT_URL", "value": heartbeat_url},
-                {"name": "MSCALE_ATTEMPT", "valueFrom": {"fieldRef": {
-                    "fieldPath": "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"}}}]
+                {"name": "MSCALE_HEARTBEAT_URL", "value": heartbeat_url}, attempt]
   worker_env += [{"name": k, "value": v} for k, v in job.worker_env().items()]
 
   def replicated(name, count, container):
@@ -124,7 +125,8 @@ def jobset_manifest(job: ClusterJob) -> dict:
             "containers": [container]}}}}}
 
   driver = {"name": "driver", "image": job.image,
-            "command": job.driver_command("0"),
+            "command": job.driver_command("$(MSCALE_ATTEMPT)"),   # Kubernetes expands it
+            "env": [attempt],
             "ports": [{"containerPort": job.heartbeat_port, "name": "heartbeats"}]}
   worker = {"name": "worker", "image": job.image, "command": job.worker_command(),
             "env": worker_env,

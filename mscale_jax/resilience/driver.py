@@ -9,7 +9,8 @@ heartbeats over HTTP/JSON, and declares a failure when a worker
   logs a known fatal line                (events.FATAL_LOG_PATTERNS, in its log file)
   stops advancing                        (hang: no new step within max(hang_timeout_s,
                                           hang_step_factor x the measured step time), or no
-                                          heartbeat at all; compiling gets startup_timeout_s)
+                                          heartbeat at all; compiling gets startup_timeout_s,
+                                          a checkpoint save or evaluation io_timeout_s)
 
 Then it kills the whole group, runs the self-checks (selfcheck.py) on every slot, drops the
 slots that fail (a spare takes the place of one; without spares the job shrinks and the
@@ -50,6 +51,7 @@ class DriverOptions:
   hang_timeout_s: float = 60.0
   hang_step_factor: float = 20.0
   startup_timeout_s: float = 600.0
+  io_timeout_s: float = 120.0         # allowed for one checkpoint save or evaluation
   max_restarts: int = 5
   self_check: bool = True
   self_check_timeout_s: float = 180.0
@@ -320,23 +322,32 @@ class Driver:
           group.first_step_at = received
     step_time = statistics.median(group.step_times[-20:]) if group.step_times else 0.0
     limit = max(o.hang_timeout_s, o.hang_step_factor * step_time)
+    # Ranks step together (every step has collectives), so a hang is the group's: no rank has
+    # advanced within the allowance of the slowest phase any rank is in (ranks wait for a peer
+    # that compiles or saves). The rank that advanced least recently is named.
+    ranks, allowed = [], 0.0
     for rank in range(len(group.slots)):
       if (group.procs and group.procs[rank].poll() == 0) or \
           (rank in beats and beats[rank][0].phase == events.DONE):
         continue
       step, phase, since = group.progress.get(rank, (0, events.STARTING, group.started))
-      # Until some rank has finished a step, ranks wait for each other's compilation; from
-      # then on every rank's clock runs.
-      starting = group.first_step_at is None or phase in (events.STARTING, events.COMPILING,
-                                                          events.RESTORING)
-      allowed = o.startup_timeout_s if starting else limit
-      since = max(since, group.first_step_at or since)
-      if now - since > allowed:
-        return events.Failure(events.HANG, rank, f"no progress for {now - since:.0f} s in phase "
-                              f"{phase!r} at step {step} (limit {allowed:.0f} s)", step=step)
+      if group.first_step_at is None or phase in (events.STARTING, events.COMPILING,
+                                                  events.RESTORING):
+        allowed = max(allowed, o.startup_timeout_s)
+      elif phase in (events.CHECKPOINTING, events.EVALUATING):
+        allowed = max(allowed, limit, o.io_timeout_s)
+      else:
+        allowed = max(allowed, limit)
+      ranks.append((max(since, group.first_step_at or since), rank, step, phase))
       last = beats.get(rank, (None, group.started))[1]
-      if now - last > max(allowed, 3 * o.heartbeat_s + 10):
+      if now - last > max(o.startup_timeout_s if group.first_step_at is None else limit,
+                          3 * o.heartbeat_s + 10):
         return events.Failure(events.HANG, rank, f"no heartbeat for {now - last:.0f} s")
+    if ranks and now - max(r[0] for r in ranks) > allowed:
+      since, rank, step, phase = min(ranks)
+      return events.Failure(events.HANG, rank, f"no step for {now - since:.0f} s (limit "
+                            f"{allowed:.0f} s); rank {rank} last advanced, to step {step}, "
+                            f"in phase {phase!r}", step=step)
     return None
 
   # -- after a failure -------------------------------------------------------------------

@@ -150,8 +150,15 @@ class FaultInjector:
       return float("nan")
     return 1.0
 
-  def slow_down(self, step: int, step_seconds: float) -> None:
-    """After step `step` took `step_seconds`: sleeps (factor - 1) times that on a slow rank."""
+  def slow_down(self, step: int) -> None:
+    """After step `step`: on a slow rank, sleeps (factor - 1) times the step's own time.
+
+    The step's time is measured from the end of the previous call, so the sleeps do not
+    compound.
+    """
+    now = time.perf_counter()
+    work, self._slow_since = now - (self._slow_since or now), now
     for f in self.faults:
       if f.kind == "slow" and f.rank == self.rank and step >= f.step:
-        time.sleep((f.factor - 1.0) * step_seconds)
+        time.sleep((f.factor - 1.0) * work)
+        self._slow_since = time.perf_counter()
