@@ -4,10 +4,11 @@ A worker installs `install_stack_dump(path)`: on SIGUSR1, Python's faulthandler 
 main thread's stack to `path` from C, so it works even while that thread is blocked inside XLA
 waiting on a collective (Linux hands a process-directed signal to the main thread first). Only
 the signalled thread is dumped: walking the other, running threads' frames from a signal
-handler crashed a worker in a drill (faulthandler documents it as unsafe). When the driver declares a hang it signals every live worker, reads
-the dumps, adds each rank's last reported loop phase and step (its heartbeat) and its mesh
-coordinates, and `localize()` names the ranks that are not where the others are. Also handy by
-hand: `kill -USR1 <pid>` dumps a running worker's stacks into WORKDIR/resilience/stacks/.
+handler left a worker dead mid-dump in a drill (faulthandler calls it unsafe). When the driver
+declares a hang it signals every live worker, reads the dumps, adds each rank's last reported
+loop phase and step (its heartbeat) and its mesh coordinates, and `localize()` names the ranks
+that are not where the others are. Also handy by hand: `kill -USR1 <pid>` dumps a running
+worker's main stack into WORKDIR/resilience/stacks/.
 """
 import collections
 import dataclasses
@@ -36,9 +37,9 @@ def main_thread_frames(dump: str) -> list[tuple[str, int, str]]:
   """(file, line, function) of the main thread's stack in a faulthandler dump, innermost first.
 
   faulthandler writes 'Stack (most recent call first):', or with all threads 'Current
-  thread 0x... (most recent call first):' and 'Thread 0x...' blocks; the main thread is the one whose outermost frame is the program's entry point
-  (`<module>` of a script, runpy's `_run_module_as_main` under `python -m`). The last dump in
-  the text wins.
+  thread 0x... (most recent call first):' and 'Thread 0x...' blocks; the main thread is the
+  one whose outermost frame is the program's entry point (`<module>` of a script, runpy's
+  `_run_module_as_main` under `python -m`). The last dump in the text wins.
   """
   blocks, current = [], None
   for line in dump.splitlines():

@@ -11,7 +11,6 @@ driver's report under 'observability'.
 import collections
 import json
 import os
-import signal
 import threading
 import time
 

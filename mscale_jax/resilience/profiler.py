@@ -1,8 +1,9 @@
 """`train.profile_steps='START:END'`: a `jax.profiler` trace of those steps on every process.
 
 Each process writes its own trace under WORKDIR/profile/rank{R} (TensorBoard's profile plugin
-layout, plugins/profile/<run>/<host>.xplane.pb, plus a Perfetto perfetto_trace.json.gz), and prints the
-path. The window closes after step END's result is on the host (one extra sync, only then).
+layout, plugins/profile/<run>/<host>.xplane.pb, plus perfetto_trace.json.gz for Perfetto) and
+prints the path. The window closes after step END's result is on the host (one extra sync,
+only then).
 """
 import os
 
