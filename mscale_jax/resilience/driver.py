@@ -262,11 +262,11 @@ class Driver:
   def _supervise(self, group: _Group) -> events.Failure | None:
     """Watches the group until every worker exits 0 (None) or a failure is detected."""
     while True:
+      if all(p.poll() == 0 for p in group.procs):
+        return None
       failure = self._poll(group)
       if failure is not None:
         return failure
-      if all(p.poll() == 0 for p in group.procs):
-        return None
       time.sleep(self.o.poll_s)
 
   def _poll(self, group: _Group) -> events.Failure | None:
@@ -288,6 +288,8 @@ class Driver:
         kind = events.NONFINITE if code == events.EXIT_NONFINITE else events.EXITED
         return events.Failure(kind, rank, f"exit status {code}")
     for rank, path in enumerate(group.logs):
+      if codes[rank] == 0:   # what a finished worker printed while its peers shut down
+        continue
       line = self._new_fatal_line(group, rank, path)
       if line:
         return events.Failure(events.FATAL_LOG, rank, line)
