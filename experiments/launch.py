@@ -63,6 +63,19 @@ _WATCH = flags.DEFINE_bool("watch", False, "Cluster mode (used by the generated 
                            "and exit 1 at the first failure detected.")
 _ATTEMPT = flags.DEFINE_integer("attempt", 0, "With --watch: which (re)start this is.")
 _IMAGE = flags.DEFINE_string("image", "mscale-jax:latest", "Container image (kubernetes).")
+_STRAGGLER_POLICY = flags.DEFINE_enum("straggler_policy", "warn", ["warn", "evict"],
+                                      "On a straggler: print and record it (warn), or also "
+                                      "restart without its slot (evict).")
+_STRAGGLER_THRESHOLD = flags.DEFINE_float("straggler_threshold", 0.1, "A rank is abnormal when "
+                                          "a phase of its own work exceeds the others' median "
+                                          "by this fraction of a step.")
+_STRAGGLER_WINDOW = flags.DEFINE_integer("straggler_window", 10, "Consecutive abnormal steps "
+                                         "before a straggler is flagged.")
+_HOST_PROBES = flags.DEFINE_bool("straggler_host_probes", False, "Also flag ranks whose host "
+                                  "probes (a small matmul's time, memory) stand out; meaningful "
+                                  "when each worker has its own cores.")
+_STATUS_EVERY = flags.DEFINE_float("status_every_s", 30.0, "Seconds between the driver's "
+                                   "status screens (0: none).")
 
 
 def parse_train_args(args: list[str]):
@@ -100,6 +113,11 @@ def check_inputs(train_args: list[str]):
     raise ConfigError("--num_processes", n, "a positive integer")
   if k < 1:
     raise ConfigError("--devices_per_process", k, "a positive integer")
+  if not _STRAGGLER_THRESHOLD.value > 0:
+    raise ConfigError("--straggler_threshold", _STRAGGLER_THRESHOLD.value,
+                      "a positive fraction of a step, e.g. 0.1")
+  if _STRAGGLER_WINDOW.value < 1:
+    raise ConfigError("--straggler_window", _STRAGGLER_WINDOW.value, "a positive number of steps")
   if any(a.startswith("--workdir") for a in train_args):
     raise ConfigError("--workdir", train_args, "give --workdir before '--' (the launcher's)")
   config = parse_train_args(train_args)
@@ -153,7 +171,11 @@ def main(argv):
       heartbeat_port=_HEARTBEAT_PORT.value, heartbeat_s=_HEARTBEAT_S.value,
       hang_timeout_s=_HANG.value, hang_step_factor=_HANG_FACTOR.value,
       startup_timeout_s=_STARTUP.value, io_timeout_s=_IO_TIMEOUT.value, max_restarts=_RESTARTS.value,
-      self_check=_SELF_CHECK.value, faults=tuple(faults), xla_flags=_XLA_FLAGS.value)
+      self_check=_SELF_CHECK.value, faults=tuple(faults), xla_flags=_XLA_FLAGS.value,
+      straggler_policy=_STRAGGLER_POLICY.value, straggler_threshold=_STRAGGLER_THRESHOLD.value,
+      straggler_window=_STRAGGLER_WINDOW.value, status_every_s=_STATUS_EVERY.value,
+      tokens_per_step=config.train.global_batch * config.model.seq_len,
+      straggler_host_probes=_HOST_PROBES.value)
   if _WATCH.value:
     report = Driver(options).watch(_ATTEMPT.value)
     sys.exit(0 if report["completed"] else 1)

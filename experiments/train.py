@@ -137,6 +137,10 @@ def main(argv):
   if summary["nonfinite_steps"]:
     print(f"  {'nonfinite_steps':18s} {summary['nonfinite_steps']} "
           f"({summary['on_nonfinite']}, {summary['rollbacks']} rollbacks)")
+  if config.train.timeline and not os.environ.get("MSCALE_COORDINATOR"):
+    from mscale_jax.resilience import trace   # under the driver, the driver merges
+    merged = trace.merge(workdir)
+    print(f"  {'timeline':18s} {merged['trace']} (heat-map {merged['heatmap']})")
   if _RECORD.value:
     from experiments import results
     path = results.write_record(f"train-{config.name}", summary,

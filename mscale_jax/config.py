@@ -160,6 +160,8 @@ class TrainConfig:
   # with status 3), skip_step (go on with the next batch) or rollback (restore the latest
   # checkpoint and skip the batches from there through the offending one).
   on_nonfinite: str = "stop"
+  timeline: bool = True              # per-rank span timeline in WORKDIR/timeline (resilience/)
+  profile_steps: str = ""            # 'START:END': a jax.profiler trace of steps START..END
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +292,8 @@ def validate(config: Config, num_devices: int, *,
       raise ConfigError(f"train.{field}", getattr(t, field),
                         f"a multiple of train.log_every={t.log_every}")
 
+  profile_window(t.profile_steps, t.steps)
+
   mesh = config.mesh.shape(num_devices)
   tp = mesh["tensor"]
   _divides("model.num_heads", m.num_heads, "tensor", tp, "attention heads")
@@ -348,6 +352,21 @@ def _check_pipeline(config: Config, mesh: dict[str, int]) -> int:
                       f"must divide each data shard's batch, train.global_batch / "
                       f"(mesh.data * mesh.fsdp) = {per_shard}")
   return p.microbatches
+
+
+def profile_window(spec: str, steps: int) -> tuple[int, int] | None:
+  """(first, last) step of train.profile_steps='START:END' (inclusive), or None when empty."""
+  if not spec:
+    return None
+  first, sep, last = str(spec).partition(":")
+  try:
+    window = (int(first), int(last)) if sep else None
+  except ValueError:
+    window = None
+  if window is None or not 1 <= window[0] <= window[1] <= steps:
+    raise ConfigError("train.profile_steps", spec, f"'START:END' with 1 <= START <= END <= "
+                      f"train.steps={steps}, e.g. '5:7' (or '' for no profile)")
+  return window
 
 
 def _check_platform_kernels(m: ModelConfig, platform: str | None) -> None:

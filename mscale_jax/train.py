@@ -29,6 +29,8 @@ from mscale_jax.errors import NonFiniteError
 from mscale_jax.model import GPT, count_params
 from mscale_jax.parallel import pipeline
 from mscale_jax.resilience import events
+from mscale_jax.resilience import timeline as timeline_lib
+from mscale_jax.resilience.profiler import ProfilerWindow
 from mscale_jax.resilience.worker import WorkerHooks
 
 log = logging.getLogger("mscale_jax")
@@ -247,10 +249,16 @@ class Trainer:
     is_main = jax.process_index() == 0
     os.makedirs(self.workdir, exist_ok=True)
     hooks.start(self.workdir)
+    # Spans of this rank's loop (WORKDIR/timeline) and the profiler window: resilience/.
+    tl = self.timeline = timeline_lib.start_for_trainer(self.workdir, self.mesh, hooks,
+                                                        enabled=t.timeline)
+    profiler = ProfilerWindow(t.profile_steps, t.steps, self.workdir, jax.process_index(), tl)
     hooks.phase(events.RESTORING)
+    tl.phase("restore")
     state, start = self.restore_or_init()
     writer = _MetricsWriter(self.workdir, enabled=is_main, resume_step=start)
     hooks.phase(events.COMPILING)
+    tl.phase("compile")
     compile_start = time.perf_counter()
     with jax.set_mesh(self.mesh):
       first = self.device_batch(next(self.train_iter))
@@ -272,13 +280,20 @@ class Trainer:
       while step < end:
         done = step + 1
         hooks.injector.before_step(done)
+        profiler.before_step(done)
+        tl.phase("data_wait", done)
         wait_start = time.perf_counter()
         if batch is None:
-          batch = self.device_batch(next(self.train_iter))
+          rows = next(self.train_iter)
+          tl.phase("host_to_device")
+          batch = self.device_batch(rows)
           data_pos += 1
         data_wait = time.perf_counter() - wait_start
+        tl.phase("dispatch")
         with jax.set_mesh(self.mesh):
           state, metrics = train_step(state, batch, jnp.float32(hooks.injector.loss_scale(done)))
+        tl.phase("host")
+        profiler.after_step(done, metrics)
         batch = None
         interval_steps += 1
         logged = done % t.log_every == 0 or done == end or done == start + 1
@@ -295,6 +310,7 @@ class Trainer:
           unchecked, interval_steps, interval_start = [], 0, time.perf_counter()
           continue
         if logged:
+          tl.phase("log")
           record = self._log(state, metrics, done, interval_steps, interval_start,
                              self.peak.flops)
           history.append(record)
@@ -307,10 +323,13 @@ class Trainer:
           interval_steps = 0
         if saving:
           hooks.phase(events.CHECKPOINTING)
+          tl.phase("checkpoint_stall")
           self.checkpointer.save(done, state, self.train_iter.get_state(), cfg,
                                  layer_layout=self.layer_layout)
+          tl.checkpoint_saved(self.checkpointer.saves[-1])
           hooks.injector.after_save_started(done)
           hooks.phase(events.TRAINING)
+        tl.phase("host")
         if interval_steps == 0:
           # Evaluation and checkpoint saves fall on logged steps (validate() ensures it), so
           # restarting the clock here keeps them out of the throughput.
@@ -318,8 +337,10 @@ class Trainer:
         bar.update(1)
         step = done
     finally:
+      profiler.stop()
       bar.close()
       self.checkpointer.close()
+      tl.close()
       writer.close()
       self.train_iter.close()
     summary = self._summary(history, timed, compile_s, start)
@@ -338,8 +359,10 @@ class Trainer:
     """
     policy = self.config.train.on_nonfinite
     for done, metrics, data_wait, data_pos in checks:
+      self.timeline.phase("sync")
       finite, loss, grad_norm = jax.device_get(
           (metrics["finite"], metrics["loss"], metrics["grad_norm"]))
+      self.timeline.phase("host")
       self.hooks.progress(done, float(loss), float(grad_norm), data_wait)
       self.hooks.injector.slow_down(done)
       if finite:
@@ -366,6 +389,7 @@ class Trainer:
       self.hooks.failure(events.NONFINITE, f"{self.rollbacks - 1} rollbacks", step=bad_step)
       raise NonFiniteError(bad_step, f"still non-finite after {MAX_ROLLBACKS} rollbacks")
     self.hooks.phase(events.RESTORING)
+    self.timeline.phase("restore")
     if step:
       state = self._restore(step)
     else:
@@ -396,6 +420,7 @@ class Trainer:
     t = self.config.train
     if step % t.eval_every == 0 or step == t.steps:
       self.hooks.phase(events.EVALUATING)
+      self.timeline.phase("eval")
       record["eval_loss"] = self.evaluate(state["params"])
       self.hooks.phase(events.TRAINING)
     return record

@@ -32,6 +32,7 @@ import time
 
 from mscale_jax.resilience import events, selfcheck
 from mscale_jax.resilience.faults import Fault
+from mscale_jax.resilience.observer import Observer
 from mscale_jax.resilience.server import HeartbeatServer
 
 
@@ -58,6 +59,14 @@ class DriverOptions:
   xla_flags: str = ""                 # extra XLA_FLAGS for the workers
   compile_cache: bool = True          # share JAX's persistent compilation cache across restarts
   poll_s: float = 0.25
+  # Observability (observer.py): straggler policy 'warn' | 'evict', the detector's threshold
+  # (fraction of a step) and continuity window (steps), the status screen's period.
+  straggler_policy: str = "warn"
+  straggler_threshold: float = 0.1
+  straggler_window: int = 10
+  status_every_s: float = 30.0
+  tokens_per_step: int = 0
+  straggler_host_probes: bool = False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -102,6 +111,12 @@ class Driver:
     self.attempts: list[dict] = []
     self._group: _Group | None = None
     self._step_times: list[float] = []
+    self.observer = Observer(self.workdir, self.say, policy=options.straggler_policy,
+                             threshold=options.straggler_threshold,
+                             window=options.straggler_window,
+                             status_every_s=options.status_every_s,
+                             tokens_per_step=options.tokens_per_step,
+                             host_probes=options.straggler_host_probes)
 
   def say(self, message: str) -> None:
     print(f"[driver] {message}", file=self.out, flush=True)
@@ -112,6 +127,7 @@ class Driver:
     """Runs the job to completion or until it cannot go on; returns (and writes) the report."""
     os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
     self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port)
+    self.server.listeners.append(self.observer.receive)
     start, outcome = time.time(), "failed"
     try:
       for attempt in range(self.o.max_restarts + 1):
@@ -121,6 +137,10 @@ class Driver:
           break
         group = self._start(attempt, active)
         failure = self._supervise(group)
+        if failure is not None and failure.kind == events.HANG:
+          self.observer.localize_hang(failure)   # before the group is killed
+        if failure is not None and failure.kind == events.STRAGGLER:
+          self.excluded[active[failure.rank]] = failure.detail   # policy 'evict'
         self._stop(group)
         self._step_times += group.step_times
         self.attempts.append({"attempt": attempt, "slots": active, "started": group.started,
@@ -151,7 +171,9 @@ class Driver:
       if self._group is not None:
         self._stop(self._group)
       self.server.close()
-    return self._report(outcome, time.time() - start)
+    report = self._report(outcome, time.time() - start)
+    self.observer.finish(report)
+    return report
 
   def watch(self, attempt: int) -> dict:
     """Cluster mode: the scheduler started the workers; only their heartbeats are watched.
@@ -164,6 +186,8 @@ class Driver:
     self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port)
     self.say(f"watching {self.o.num_processes} workers (attempt {attempt}) at {self.server.url}")
     group = _Group(attempt, list(range(self.o.num_processes)))
+    self.server.listeners.append(self.observer.receive)
+    self.observer.start_group(group)
     start, outcome = time.time(), "failed"
     try:
       while True:
@@ -189,6 +213,7 @@ class Driver:
     o = self.o
     group = self._group = _Group(attempt, slots)
     self.server.clear()
+    self.observer.start_group(group, latest_checkpoint(self.workdir))
     port = o.coordinator_port or free_port(o.coordinator_host)
     command = list(o.worker_command) + [f"--workdir={self.workdir}"]
     if len(slots) < o.num_processes:
@@ -268,7 +293,7 @@ class Driver:
       line = self._new_fatal_line(group, rank, path)
       if line:
         return events.Failure(events.FATAL_LOG, rank, line)
-    return self._check_progress(group, beats, now)
+    return self.observer.observe(now) or self._check_progress(group, beats, now)
 
   def _new_fatal_line(self, group: _Group, rank: int, path: str) -> str | None:
     try:
@@ -421,7 +446,7 @@ class Driver:
               # time (iteration time: the median step time heartbeats reported).
               "effective_training_time_rate": steps * step_time / wall_s if step_time else None,
               "failures": self.failures, "excluded_slots": self.excluded,
-              "attempts": self.attempts}
+              "attempts": self.attempts, "observability": self.observer.summary()}
     os.makedirs(self.state_dir, exist_ok=True)
     path = os.path.join(self.state_dir, name)
     with open(path + ".tmp", "w") as f:

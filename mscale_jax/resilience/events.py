@@ -21,7 +21,8 @@ HANG = "hang"                # no step advance (or no heartbeat) within the hang
 NONFINITE = "nonfinite"      # a non-finite loss or gradient norm with train.on_nonfinite=stop
 EXCEPTION = "exception"      # a Python exception in a worker
 FATAL_LOG = "fatal_log"      # a log line matching FATAL_LOG_PATTERNS
-FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG)
+STRAGGLER = "straggler"      # a rank flagged slow, with the driver's straggler policy 'evict'
+FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER)
 
 # Exit statuses of experiments.train beyond 0 (done), 1 (exception) and 2 (bad input).
 EXIT_NONFINITE = 3
@@ -70,6 +71,12 @@ class Heartbeat:
   time: float = dataclasses.field(default_factory=time.time)
   log_tail: list[str] = dataclasses.field(default_factory=list)
   failure: dict[str, Any] | None = None
+  # Observability (timeline.py, straggler.py, hang.py): each loop iteration's phase seconds
+  # since the previous heartbeat [[step, {phase: s}], ...], where the loop is now
+  # [phase, step, seconds in it], and host probes {probe_ms, cpu_frac, rss_mb}.
+  step_phases: list = dataclasses.field(default_factory=list)
+  where: list | None = None
+  host_metrics: dict[str, float] | None = None
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -19,6 +19,7 @@ class HeartbeatServer:
   def __init__(self, host: str = "127.0.0.1", port: int = 0):
     self._lock = threading.Lock()
     self._latest: dict[int, tuple[Heartbeat, float]] = {}
+    self.listeners = []   # called with (heartbeat, arrival time) for every heartbeat
     server = self
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -53,8 +54,11 @@ class HeartbeatServer:
     self._thread.start()
 
   def receive(self, beat: Heartbeat) -> None:
+    received = time.time()
     with self._lock:
-      self._latest[beat.rank] = (beat, time.time())
+      self._latest[beat.rank] = (beat, received)
+    for listener in self.listeners:
+      listener(beat, received)
 
   def latest(self) -> dict[int, tuple[Heartbeat, float]]:
     """{rank: (latest heartbeat, driver time it arrived)}."""

@@ -110,6 +110,7 @@ class WorkerHooks:
     self._thread = None
     self._tail = None
     self._since = None   # (step, time) at the previous progress report
+    self.timeline = None   # the trainer's Timeline: its phases ride on each heartbeat
 
   @classmethod
   def from_env(cls, extra_faults=(), env=None) -> "WorkerHooks":
@@ -189,10 +190,15 @@ class WorkerHooks:
     """Sends the current heartbeat now (best effort: a driver that is gone is not an error)."""
     if not self.url:
       return
+    host = self.timeline.host_metrics() if self.timeline is not None else None
     with self._lock:
       self.beat.time = time.time()
       if self._tail is not None:
         self.beat.log_tail = list(self._tail.lines)
+      if self.timeline is not None:
+        self.beat.step_phases = self.timeline.drain()
+        self.beat.where = self.timeline.where()
+        self.beat.host_metrics = host
       body = json.dumps(self.beat.to_json()).encode()
     request = urllib.request.Request(self.url, data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
