@@ -56,14 +56,17 @@ def _reference(layers: int, block: str):
   return float(loss), jax.tree.map(np.asarray, grads)
 
 
-# (schedule, stages, virtual, microbatches, tensor, layers, block, overlap): every schedule,
+# (schedule, stages, virtual, microbatches, tensor, layers, block, overlap): every schedule with
 # both blocks, stage 2 and 4, v 1 and 2 (4 layers: v=2 needs stage 2), tensor=2 inside every
-# stage, with and without the overlapped sends. Three compilations of ~10-30 s on 2 CPU cores:
-# not the whole cross product (the 20-step curve below adds interleaved with the parallel block).
+# stage, with and without the overlapped sends. Each is a compilation of ~5-20 s on 2 CPU cores,
+# so not the whole cross product of stages, overlap and blocks.
 VARIANTS = [
     ("gpipe", 2, 1, 2, 2, 4, "parallel", True),
+    ("gpipe", 2, 1, 2, 2, 4, "sequential", False),
     ("1f1b", 4, 1, 4, 2, 4, "sequential", False),
+    ("1f1b", 2, 1, 2, 2, 4, "parallel", True),
     ("interleaved_1f1b", 2, 2, 4, 2, 4, "sequential", True),
+    ("interleaved_1f1b", 2, 2, 4, 2, 4, "parallel", False),
 ]
 
 
