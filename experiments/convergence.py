@@ -260,7 +260,8 @@ def table(figure: str, variants, stats: dict, diffs: dict, seeds: int) -> str:
 def main(argv):
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
-  logging.getLogger("mscale_jax").setLevel(logging.WARNING)
+  for name in ("mscale_jax", "pallas_kernels"):
+    logging.getLogger(name).setLevel(logging.WARNING)
   if _REPLOT.value:
     replot(_REPLOT.value)
     return

@@ -86,7 +86,8 @@ def main(argv):
   del argv
   # Our own INFO lines (data, optimizer, attention choices) stay; libraries' INFO chatter goes.
   absl_logging.set_verbosity(absl_logging.WARNING)
-  logging.getLogger("mscale_jax").setLevel(logging.INFO)
+  for name in ("mscale_jax", "pallas_kernels"):
+    logging.getLogger(name).setLevel(logging.INFO)
   from mscale_jax.resilience import events, worker
   try:
     config = _config()

@@ -92,8 +92,7 @@ class Checkpointer:
     A different `train.steps` is allowed (to extend a run) but changes the learning-rate
     schedule from here on, so it is logged.
     """
-    meta = self._manager.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))["meta"]
+    meta = self.restore_meta(step)
     if meta["optimizer"]["name"] != config.optimizer.name:
       raise ConfigError("optimizer.name", config.optimizer.name,
                         f"the checkpoint in {self.directory} (step {step}) holds "

@@ -1,18 +1,8 @@
-"""The one error type for bad configuration or input."""
+"""The library's errors. `ConfigError` is the kernels' own (`pallas_kernels.errors`): one class
+for bad configuration or input, whichever layer finds it."""
+from pallas_kernels.errors import ConfigError
 
-
-class ConfigError(ValueError):
-  """A configuration field or an input has a value that cannot work.
-
-  The message names the field, the value and what would be valid, so a user can fix the
-  command line without reading code. Raised before anything compiles.
-  """
-
-  def __init__(self, field: str, value, valid: str):
-    self.field = field
-    self.value = value
-    self.valid = valid
-    super().__init__(f"{field}={value!r} is invalid: {valid}")
+__all__ = ["ConfigError", "NonFiniteError"]
 
 
 class NonFiniteError(RuntimeError):

@@ -16,18 +16,10 @@ import logging
 
 import jax
 
-try:
-  from mscale_jax.errors import ConfigError
-except ImportError:  # the kernels stay usable without the library
-  class ConfigError(ValueError):
-    """Bad argument: names the field, the value and what would be valid."""
+from pallas_kernels.errors import ConfigError
 
-    def __init__(self, field, value, valid):
-      self.field, self.value, self.valid = field, value, valid
-      super().__init__(f"{field}={value!r} is invalid: {valid}")
-
-# The library's logger, so the choice shows in training logs (experiments set it to INFO).
-_log = logging.getLogger("mscale_jax")
+# The kernels' logger: experiments set it to INFO beside the library's, so the choice shows.
+_log = logging.getLogger("pallas_kernels")
 _logged = set()    # (kernel name, backend) pairs already logged
 
 _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._platform import platform_of, resolve_interpret
 
-logger = logging.getLogger("mscale_jax")
+logger = logging.getLogger(__name__)
 
 _GPU_BLOCK_ELEMS = 4096        # elements one Triton program normalises at a time
 _GPU_PROGRAMS = 256            # backward: at most this many programs, hence fp32 partials

@@ -1,4 +1,8 @@
 """The Pallas kernels plugged into the model through config fields give the XLA numbers."""
+import os
+import subprocess
+import sys
+
 import jax
 import pytest
 
@@ -27,3 +31,16 @@ def test_cudnn_attention_off_gpu_is_a_config_error():
   config = Config().replace(model=dict(attention_impl="cudnn"))
   with pytest.raises(ConfigError, match="model.attention_impl='cudnn'.*needs an NVIDIA GPU"):
     validate(config, 8, platform="cpu")
+
+
+def test_kernels_import_nothing_from_the_library():
+  """Layers only point down: every kernel module loads without importing mscale_jax."""
+  code = ("import sys\n"
+          "import pallas_kernels.collective_matmul, pallas_kernels.flash_attention\n"
+          "import pallas_kernels.layer_norm, pallas_kernels.lamb\n"
+          "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mscale_jax'))")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "[]"
