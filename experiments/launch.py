@@ -49,8 +49,14 @@ _STARTUP = flags.DEFINE_float("startup_timeout_s", 600.0, "Allowed time to start
 _IO_TIMEOUT = flags.DEFINE_float("io_timeout_s", 120.0, "Allowed time for one checkpoint "
                                  "save or evaluation (the first save sets orbax up).")
 _RESTARTS = flags.DEFINE_integer("max_restarts", 5, "Restart budget.")
-_SELF_CHECK = flags.DEFINE_bool("self_check", True, "Run the self-check diagnostics after a "
-                                "failure and exclude slots that fail them.")
+_SELF_CHECK = flags.DEFINE_bool("self_check", True, "After a failure, the restarted group runs "
+                                "the self-check diagnostics before it trains; slots that fail "
+                                "them are excluded.")
+_STANDBY = flags.DEFINE_bool("standby", True, "Keep warm standby worker processes (libraries "
+                             "imported) so that a restart skips Python's start-up.")
+_COMPILE_CACHE = flags.DEFINE_string("compile_cache_dir", "", "Compilation cache folder shared "
+                                     "by the workers and their restarts (default "
+                                     "WORKDIR/resilience/compile_cache).")
 _FAULTS = flags.DEFINE_multi_string("fault", [], "Inject a fault (repeatable): kill:rank=R:"
                                     "step=N[:at=save], hang:rank=R:step=N, nan:step=N, "
                                     "exception:rank=R:step=N, slow:rank=R:factor=F, "
@@ -170,8 +176,11 @@ def main(argv):
       coordinator_host=_HOST.value, coordinator_port=_PORT.value,
       heartbeat_port=_HEARTBEAT_PORT.value, heartbeat_s=_HEARTBEAT_S.value,
       hang_timeout_s=_HANG.value, hang_step_factor=_HANG_FACTOR.value,
-      startup_timeout_s=_STARTUP.value, io_timeout_s=_IO_TIMEOUT.value, max_restarts=_RESTARTS.value,
-      self_check=_SELF_CHECK.value, faults=tuple(faults), xla_flags=_XLA_FLAGS.value,
+      startup_timeout_s=_STARTUP.value, io_timeout_s=_IO_TIMEOUT.value,
+      max_restarts=_RESTARTS.value,
+      self_check=_SELF_CHECK.value, standby=_STANDBY.value, faults=tuple(faults),
+      xla_flags=_XLA_FLAGS.value,
+      compile_cache_dir=_COMPILE_CACHE.value and os.path.abspath(_COMPILE_CACHE.value),
       straggler_policy=_STRAGGLER_POLICY.value, straggler_threshold=_STRAGGLER_THRESHOLD.value,
       straggler_window=_STRAGGLER_WINDOW.value, status_every_s=_STATUS_EVERY.value,
       tokens_per_step=config.train.global_batch * config.model.seq_len,

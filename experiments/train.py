@@ -100,6 +100,7 @@ def main(argv):
     from mscale_jax.train import Trainer
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     workdir = _WORKDIR.value or os.path.join("runs", f"{config.name}-{stamp}")
+    worker.self_check_if_asked(hooks, workdir)   # a restarted group checks its slots first
     trainer = Trainer(config, workdir, hooks=hooks)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -29,6 +29,15 @@ from mscale_jax.errors import ConfigError
 
 log = logging.getLogger("mscale_jax")
 
+# Off GPU, orbax splits every replicated shard among its replicas and slices each piece on the
+# device, one dispatched op per piece: hundreds per save of the main job, which held the loop
+# several times longer than the copy itself. Splitting pays only for large pieces, so it stays
+# on for those (MIN_REPLICA_PARALLEL_BYTES and up). Orbax's handler registry is process-wide.
+MIN_REPLICA_PARALLEL_BYTES = 4 << 20
+ocp.type_handlers.register_type_handler(
+    jax.Array, ocp.type_handlers.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_BYTES), override=True)
+
 
 class Checkpointer:
   """Saves and restores train state, data-iterator state and model config under `directory`."""

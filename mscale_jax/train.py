@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from mscale_jax import compile_cache
 from mscale_jax import data as data_lib
 from mscale_jax import flops as flops_lib
 from mscale_jax import mesh as mesh_lib
@@ -143,6 +144,7 @@ class Trainer:
                                out_shardings=(self.state_shardings, None))
     self._eval_loss = jax.jit(lambda params, batch: loss_fn(self._natural_order(params),
                                                             self.graphdef, batch))
+    self._eval_executable = None
 
   # -- state ---------------------------------------------------------------------------------
 
@@ -233,7 +235,11 @@ class Trainer:
   def evaluate(self, params) -> float:
     """Mean loss over the fixed held-out batches."""
     with jax.set_mesh(self.mesh):
-      losses = [self._eval_loss(params, self.device_batch(b)) for b in self.eval_batches]
+      batches = [self.device_batch(b) for b in self.eval_batches]
+      if self._eval_executable is None:
+        self._eval_executable, _ = compile_cache.compile_or_load(
+            self._eval_loss.lower(params, batches[0]), "eval_loss", self.mesh.size)
+      losses = [self._eval_executable(params, b) for b in batches]
     return float(np.mean([float(x) for x in losses]))
 
   # -- loop ----------------------------------------------------------------------------------
@@ -262,9 +268,10 @@ class Trainer:
     compile_start = time.perf_counter()
     with jax.set_mesh(self.mesh):
       first = self.device_batch(next(self.train_iter))
-      train_step = self._train_step.lower(state, first, jnp.float32(1.0)).compile()
+      train_step, loaded = compile_cache.compile_or_load(
+          self._train_step.lower(state, first, jnp.float32(1.0)), "train_step", self.mesh.size)
     compile_s = time.perf_counter() - compile_start
-    log.info("compiled the train step in %.1f s", compile_s)
+    log.info("%s the train step in %.1f s", "loaded" if loaded else "compiled", compile_s)
     hooks.phase(events.TRAINING)
     history, timed = [], []   # timed: (steps, seconds) of each logged interval
     self.nonfinite_steps, self.rollbacks = [], 0
@@ -416,7 +423,7 @@ class Trainer:
               "grad_norm": float(metrics["grad_norm"]),
               "learning_rate": float(metrics["learning_rate"]),
               "step_time_s": elapsed / steps, "tokens_per_s": tokens_per_s,
-              "mfu": tokens_per_s * self.flops_per_token / peak}
+              "mfu": tokens_per_s * self.flops_per_token / peak, "time": time.time()}
     t = self.config.train
     if step % t.eval_every == 0 or step == t.steps:
       self.hooks.phase(events.EVALUATING)

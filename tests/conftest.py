@@ -1,17 +1,43 @@
 """Every test sees 8 simulated CPU devices: enough for any data x fsdp x stage x tensor layout.
 
 Test shapes are tiny, so compilation dominates: XLA:CPU compiles without its expensive LLVM
-optimisations, which halves the suite's time and changes no result beyond float rounding.
+optimisations, which halves the suite's time and changes no result beyond float rounding, and
+each pytest process keeps a fresh persistent compilation cache, so that a program several
+tests build (the same tiny trainer, say) compiles once per process.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0"
                            " --xla_llvm_disable_expensive_passes=true").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+if os.environ.get("MSCALE_TEST_CACHE_OF", _WORKER) != _WORKER or \
+    "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  # One folder per pytest process, not inherited from xdist's controller (workers write no
+  # common files); subprocesses that a test starts inherit it. Removed when the process ends.
+  _cache = tempfile.mkdtemp(prefix=f"mscale-jax-test-cache-{_WORKER}-")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, MSCALE_TEST_CACHE_OF=_WORKER,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
 
 import pytest  # noqa: E402
+
+# Test files that take longest (seconds of one worker in a full run), run first: with two
+# workers taking whole files in this order, neither is left alone with a long file at the end.
+SLOWEST_FIRST = ("test_multiprocess", "test_notebooks", "test_pipeline", "test_tp_comm",
+                 "test_flash_attention", "test_model", "test_collective_matmul", "test_train",
+                 "test_convergence", "test_observability", "test_resilience", "test_cli",
+                 "test_optim", "test_kernel_wiring", "test_lamb", "test_sample")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: files stay whole
 
 
 @pytest.fixture

@@ -65,6 +65,20 @@ def test_self_check_verdicts_name_the_bad_slot():
   assert "no self-check result" in selfcheck.judge({0: _probe(0, 50), 1: None})[1]
 
 
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_the_group_self_check_runs_every_probe_and_agrees_on_a_verdict(tmp_path, corrupt):
+  # One process here: its all-gather of results and its verdict are the group's.
+  verdict, results = selfcheck.run_in_group(str(tmp_path / "out"), str(tmp_path / "ckpt"),
+                                            slot=3, corrupt=corrupt)
+  assert list(results) == [3] and results[3]["matmul_gflops"] > 0
+  assert results[3]["write"]["ok"] and results[3]["allgather"]["gbytes_per_s"] > 0
+  assert results[3]["allgather"]["wrong_ranks"] == ([0] if corrupt else [])
+  assert (verdict[3] is not None and "corrupt" in verdict[3]) if corrupt else verdict == {3: None}
+  written = json.loads((tmp_path / "out" / "verdict.json").read_text())
+  assert written["excluded"] == ({"3": verdict[3]} if corrupt else {})
+  assert json.loads((tmp_path / "out" / "slot3.json").read_text()) == results[3]
+
+
 # -- heartbeats over HTTP ----------------------------------------------------------------------
 
 def test_heartbeats_reach_the_server_and_carry_the_failure():

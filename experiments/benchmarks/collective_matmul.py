@@ -89,11 +89,14 @@ def _build(op, impl, bidirectional, mesh):
   return fwd, grad, specs["in_specs"]
 
 
-def run(size: str, warmup: int, repeats: int) -> dict:
-  """Times every (shape, op, impl, pass); returns {'rows': [...], 'notes': [...]}."""
+def run(size: str, warmup: int, repeats: int, ring: int = 8) -> dict:
+  """Times every (shape, op, impl, pass) on a ring of up to `ring` devices.
+
+  Returns {'rows': [...], 'notes': [...]}.
+  """
   devices = jax.devices()
   platform = devices[0].platform
-  p = min(len(devices), 8)
+  p = min(len(devices), ring)
   mesh = jax.make_mesh((p,), (_AXIS,), axis_types=(AxisType.Auto,), devices=devices[:p])
   dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
   itemsize = jnp.dtype(dtype).itemsize

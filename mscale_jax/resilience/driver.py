@@ -12,28 +12,30 @@ heartbeats over HTTP/JSON, and declares a failure when a worker
                                           heartbeat at all; compiling gets startup_timeout_s,
                                           a checkpoint save or evaluation io_timeout_s)
 
-Then it kills the whole group, runs the self-checks (selfcheck.py) on every slot, drops the
-slots that fail (a spare takes the place of one; without spares the job shrinks and the
-`data` mesh axis with it), and restarts the group, which resumes from the latest complete
-checkpoint with the same global batches. A failure that repeats at the same step, or a bad
-configuration (a worker exits with status 2), ends the job. Everything lands in
-WORKDIR/resilience/report.json.
+Then it kills the whole group and restarts it, from warm standby processes when it has them
+(standby.py). The restarted group first runs the self-checks (selfcheck.py) on its slots; if
+a slot fails them, the group exits and the driver starts it again without that slot (a spare
+takes its place; without spares the job shrinks and the `data` mesh axis with it). A group
+that passes resumes from the latest complete checkpoint with the same global batches. A
+failure that repeats at the same step, or a bad configuration (a worker exits with status 2),
+ends the job. Everything lands in WORKDIR/resilience/report.json.
 """
 import dataclasses
 import glob
+import itertools
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
 
-from mscale_jax.resilience import events, selfcheck
+from mscale_jax.resilience import events
 from mscale_jax.resilience.faults import Fault
 from mscale_jax.resilience.observer import Observer
 from mscale_jax.resilience.server import HeartbeatServer
+from mscale_jax.resilience.standby import StandbyPool, kill_process_groups
 
 
 @dataclasses.dataclass
@@ -53,11 +55,12 @@ class DriverOptions:
   startup_timeout_s: float = 600.0
   io_timeout_s: float = 120.0         # allowed for one checkpoint save or evaluation
   max_restarts: int = 5
-  self_check: bool = True
-  self_check_timeout_s: float = 180.0
+  self_check: bool = True             # restarted groups run the self-checks before training
+  standby: bool = True                # keep warm standby processes for restarts
   faults: tuple[Fault, ...] = ()
   xla_flags: str = ""                 # extra XLA_FLAGS for the workers
   compile_cache: bool = True          # share JAX's persistent compilation cache across restarts
+  compile_cache_dir: str = ""         # its folder (default WORKDIR/resilience/compile_cache)
   poll_s: float = 0.25
   # Observability (observer.py): straggler policy 'warn' | 'evict', the detector's threshold
   # (fraction of a step) and continuity window (steps), the status screen's period.
@@ -92,6 +95,7 @@ class _Group:
     self.offsets: list[int] = []
     self.started = time.time()
     self.progress: dict[int, tuple[int, str, float]] = {}   # rank: (step, phase, since)
+    self.warm = 0   # processes started from standbys
     self.first_step_at: float | None = None
     self.max_step = 0
     self.step_times: list[float] = []
@@ -128,9 +132,14 @@ class Driver:
     os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
     self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port)
     self.server.listeners.append(self.observer.receive)
+    warm = self.o.standby and self.o.max_restarts > 0
+    self.pool = StandbyPool(self.o.worker_command, self.o.num_processes if warm else 0,
+                            dict(os.environ, XLA_FLAGS=self._xla_flags()),
+                            os.path.join(self.workdir, "logs"))
     start, outcome = time.time(), "failed"
+    restarts = 0   # after failures; a restart that only drops slots failing a self-check is free
     try:
-      for attempt in range(self.o.max_restarts + 1):
+      for attempt in itertools.count():
         active = [s for s in self.slots if s not in self.excluded][:self.o.num_processes]
         if not active:
           outcome = "no healthy slot left"
@@ -145,13 +154,17 @@ class Driver:
         self._step_times += group.step_times
         self.attempts.append({"attempt": attempt, "slots": active, "started": group.started,
                               "ended": time.time(), "max_step": group.max_step,
+                              "warm_processes": group.warm,
                               "failure": failure and failure.kind})
+        excluded = self._take_diagnosis(group, failure)
         if self.failures and self.failures[-1].get("restart_s") is None \
             and group.first_step_at is not None:
           self.failures[-1]["restart_s"] = group.first_step_at - self.failures[-1]["detected_at"]
         if failure is None:
           outcome = "completed"
           break
+        if failure.kind == events.SELF_CHECK_FAILED and excluded:
+          continue   # start again without the slots that failed (at most once per slot)
         record = self._record(failure, group)
         if failure.kind == events.EXITED and failure.detail == "exit status 2":
           outcome = "bad configuration (a worker exited with status 2; see its log)"
@@ -159,10 +172,10 @@ class Driver:
         if self._repeats(record):
           outcome = f"the same failure twice at step {record['step']}: not transient"
           break
-        if attempt == self.o.max_restarts:
+        if restarts == self.o.max_restarts:
           outcome = f"restart budget ({self.o.max_restarts}) spent"
           break
-        record["diagnosis"] = self._diagnose(attempt)
+        restarts += 1
         record["restore_step"] = latest_checkpoint(self.workdir)
         record["steps_lost"] = max(record["last_step"] - record["restore_step"], 0)
         self.say(f"restarting from step {record['restore_step']} "
@@ -170,6 +183,7 @@ class Driver:
     finally:
       if self._group is not None:
         self._stop(self._group)
+      self.pool.close()
       self.server.close()
     report = self._report(outcome, time.time() - start)
     self.observer.finish(report)
@@ -218,42 +232,49 @@ class Driver:
     command = list(o.worker_command) + [f"--workdir={self.workdir}"]
     if len(slots) < o.num_processes:
       command.append("--config.mesh.data=-1")   # the data axis absorbs the lost processes
-    specs = [f.spec for f in o.faults if f.kind != "bad_slot"]
     self.say(f"attempt {attempt}: {len(slots)} processes x {o.devices_per_process} devices "
              f"on slots {slots}, coordinator {o.coordinator_host}:{port}")
     for rank, slot in enumerate(slots):
-      env = dict(os.environ, **self._worker_env(rank, slot, len(slots), port, attempt),
-                 MSCALE_HEARTBEAT_URL=self.server.url, MSCALE_FAULTS=json.dumps(specs))
+      env = self._worker_env(rank, slot, len(slots), port, attempt)
       path = os.path.join(self.workdir, "logs", f"attempt{attempt}-rank{rank}.log")
-      with open(path, "wb") as log_file:
-        group.procs.append(subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                            env=env, process_group=0))
+      proc = self.pool.take()
+      if proc is not None and self.pool.order(proc, command[3:], env, path):
+        group.warm += 1
+      else:
+        with open(path, "wb") as log_file:
+          proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                  env=dict(os.environ, **env), process_group=0)
+      group.procs.append(proc)
       group.logs.append(path)
       group.offsets.append(0)
+    if group.warm:
+      self.say(f"attempt {attempt}: {group.warm} of {len(slots)} processes from warm standbys")
     return group
 
+  def _xla_flags(self) -> str:
+    return (f"--xla_force_host_platform_device_count={self.o.devices_per_process} "
+            f"{self.o.xla_flags}").strip()
+
   def _worker_env(self, rank: int, slot: int, count: int, port: int, attempt: int) -> dict:
+    """The MSCALE_* variables (worker.py) of rank `rank` on slot `slot`, and XLA_FLAGS."""
     o = self.o
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={o.devices_per_process} "
-                        f"{o.xla_flags}".strip(),
+    env = {"XLA_FLAGS": self._xla_flags(),
            "MSCALE_COORDINATOR": f"{o.coordinator_host}:{port}",
            "MSCALE_NUM_PROCESSES": str(count), "MSCALE_PROCESS_ID": str(rank),
            "MSCALE_HEARTBEAT_S": str(o.heartbeat_s), "MSCALE_ATTEMPT": str(attempt),
-           "MSCALE_SLOT": str(slot)}
+           "MSCALE_SLOT": str(slot), "MSCALE_HEARTBEAT_URL": self.server.url,
+           "MSCALE_FAULTS": json.dumps([f.spec for f in o.faults if f.kind != "bad_slot"]),
+           "MSCALE_SELF_CHECK": "1" if o.self_check and attempt > 0 else "0",
+           "MSCALE_BAD_SLOT": "1" if any(f.kind == "bad_slot" and f.slot == slot
+                                         for f in o.faults) else "0"}
     if o.compile_cache:
-      env["MSCALE_COMPILE_CACHE"] = os.path.join(self.state_dir, "compile_cache")
+      env["MSCALE_COMPILE_CACHE"] = o.compile_cache_dir or os.path.join(self.state_dir,
+                                                                        "compile_cache")
     return env
 
   def _stop(self, group: _Group) -> None:
     """Kills every process of the group (and anything it started), then reaps them."""
-    for p in group.procs:
-      if p.poll() is None:
-        try:
-          os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-    for p in group.procs:
-      p.wait()
+    kill_process_groups(group.procs)
     if self._group is group:
       self._group = None
 
@@ -267,6 +288,8 @@ class Driver:
       failure = self._poll(group)
       if failure is not None:
         return failure
+      if group.first_step_at is not None:
+        self.pool.fill()   # standbys for the next restart, once this group's start is done
       time.sleep(self.o.poll_s)
 
   def _poll(self, group: _Group) -> events.Failure | None:
@@ -285,7 +308,8 @@ class Driver:
         return events.Failure(f["kind"], rank, f["detail"], step=f.get("step"))
     for rank, code in enumerate(codes):
       if code not in (None, 0):
-        kind = events.NONFINITE if code == events.EXIT_NONFINITE else events.EXITED
+        kind = {events.EXIT_NONFINITE: events.NONFINITE,
+                events.EXIT_SELF_CHECK_FAILED: events.SELF_CHECK_FAILED}.get(code, events.EXITED)
         return events.Failure(kind, rank, f"exit status {code}")
     for rank, path in enumerate(group.logs):
       if codes[rank] == 0:   # what a finished worker printed while its peers shut down
@@ -388,49 +412,36 @@ class Driver:
     return (previous["kind"], previous["step"]) == (record["kind"], record["step"]) and \
         record["step"] is not None
 
-  def _diagnose(self, attempt: int) -> dict:
-    """Self-checks on every slot not yet excluded; excludes those that fail."""
-    candidates = [s for s in self.slots if s not in self.excluded]
-    if not self.o.self_check:
-      return {"ran": False, "excluded": []}
-    start = time.time()
-    out_dir = os.path.join(self.state_dir, f"selfcheck-{attempt}")
-    port = free_port(self.o.coordinator_host)
-    bad = {f.slot for f in self.o.faults if f.kind == "bad_slot"}
-    procs = []
-    for rank, slot in enumerate(candidates):
-      env = dict(os.environ, **self._worker_env(rank, slot, len(candidates), port, attempt))
-      env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" \
-                         f"{self.o.devices_per_process}"
-      env.pop("MSCALE_COMPILE_CACHE", None)
-      if slot in bad:
-        env["MSCALE_BAD_SLOT"] = "1"
-      log_path = os.path.join(self.workdir, "logs", f"selfcheck{attempt}-slot{slot}.log")
-      with open(log_path, "wb") as log_file:
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "mscale_jax.resilience.selfcheck", out_dir,
-             os.path.join(self.workdir, "checkpoints")],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, process_group=0))
-    deadline = time.time() + self.o.self_check_timeout_s
-    while time.time() < deadline and any(p.poll() is None for p in procs):
-      time.sleep(self.o.poll_s)
-    for p in procs:
-      if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-      p.wait()
-    results = {}
-    for slot in candidates:
-      path = os.path.join(out_dir, f"slot{slot}.json")
-      results[slot] = json.load(open(path)) if os.path.exists(path) else None
-    verdict = selfcheck.judge(results)
-    for slot, why in verdict.items():
-      if why:
-        self.excluded[slot] = why
-        self.say(f"self-check: slot {slot} fails ({why}); excluded")
-    healthy = [s for s, why in verdict.items() if not why]
-    self.say(f"self-check in {time.time() - start:.1f} s: healthy slots {healthy}")
-    return {"ran": True, "seconds": time.time() - start, "results": results,
-            "excluded": {s: w for s, w in verdict.items() if w}}
+  def _take_diagnosis(self, group: _Group, failure: events.Failure | None) -> int:
+    """Adds the group's self-check verdict (if it ran) to the failure that caused the restart.
+
+    Slots the verdict fails are excluded (returns how many). A rank that died or hung in its
+    self-check produced no result: its slot is excluded too.
+    """
+    path = os.path.join(self.state_dir, f"selfcheck-{group.attempt}", "verdict.json")
+    verdict = None
+    if os.path.exists(path):
+      with open(path) as f:
+        verdict = json.load(f)
+    elif failure is not None and failure.kind in (events.EXITED, events.HANG) and \
+        group.progress.get(failure.rank, (0, None, 0))[1] == events.SELF_CHECK:
+      why = "no self-check result (the process crashed or hung)"
+      verdict = {"seconds": time.time() - group.started, "results": {},
+                 "excluded": {str(group.slots[failure.rank]): why}}
+    if verdict is None or not self.failures:
+      return 0
+    for slot, why in verdict["excluded"].items():
+      self.excluded[int(slot)] = why
+      self.say(f"self-check: slot {slot} fails ({why}); excluded")
+    if not verdict["excluded"]:
+      self.say(f"self-check passed on slots {group.slots} in {verdict['seconds']:.1f} s")
+    diagnosis = self.failures[-1].setdefault(
+        "diagnosis", {"ran": True, "seconds": 0.0, "excluded": {}, "checks": []})
+    diagnosis["seconds"] += verdict["seconds"]
+    diagnosis["excluded"].update(verdict["excluded"])
+    diagnosis["checks"].append({"attempt": group.attempt, "slots": group.slots,
+                                "results": verdict["results"]})
+    return len(verdict["excluded"])
 
   # -- the report ------------------------------------------------------------------------
 

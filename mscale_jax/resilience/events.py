@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 # What a worker is doing. The driver's hang rule depends on it: compiling may take minutes.
-STARTING, COMPILING, TRAINING, CHECKPOINTING, EVALUATING, RESTORING, DONE, FAILED = (
-    "starting", "compiling", "training", "checkpointing", "evaluating", "restoring", "done",
-    "failed")
-PHASES = (STARTING, COMPILING, TRAINING, CHECKPOINTING, EVALUATING, RESTORING, DONE, FAILED)
+STARTING, SELF_CHECK, COMPILING, TRAINING, CHECKPOINTING, EVALUATING, RESTORING, DONE, \
+    FAILED = ("starting", "self_check", "compiling", "training", "checkpointing", "evaluating",
+              "restoring", "done", "failed")
+PHASES = (STARTING, SELF_CHECK, COMPILING, TRAINING, CHECKPOINTING, EVALUATING, RESTORING, DONE,
+          FAILED)
 
 # Kinds of failure the driver detects (Failure.kind).
 EXITED = "exited"            # a worker exited with a non-zero status (or was killed: kill -9)
@@ -22,10 +23,12 @@ NONFINITE = "nonfinite"      # a non-finite loss or gradient norm with train.on_
 EXCEPTION = "exception"      # a Python exception in a worker
 FATAL_LOG = "fatal_log"      # a log line matching FATAL_LOG_PATTERNS
 STRAGGLER = "straggler"      # a rank flagged slow, with the driver's straggler policy 'evict'
-FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER)
+SELF_CHECK_FAILED = "self_check_failed"   # a restarted group's self-check failed a slot
+FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER, SELF_CHECK_FAILED)
 
 # Exit statuses of experiments.train beyond 0 (done), 1 (exception) and 2 (bad input).
 EXIT_NONFINITE = 3
+EXIT_SELF_CHECK_FAILED = 4
 
 # Log lines that mean a worker is beyond saving even if its process still lives.
 FATAL_LOG_PATTERNS = tuple(re.compile(p) for p in (

@@ -1,23 +1,24 @@
-"""Self-check diagnostics run on every slot after a failure, before restarting (MegaScale §4.3).
+"""Self-check diagnostics, run by a restarted worker group before it trains (MegaScale §4.3).
 
-Scaled to what one machine can show, each slot's process (one JAX process per slot, joined
-with `jax.distributed` as the workers are) runs:
+Scaled to what one machine can show, every process of the group (one per slot, already joined
+with `jax.distributed`) runs:
 
-  matmul     the local matmul rate (GFLOP/s, float32) of its first device; the driver compares
-             it with the fleet median
+  matmul     the local matmul rate (GFLOP/s, float32) of its first device, compared with the
+             group's median (processes take turns, so that processes sharing a host do not
+             slow each other's probe)
   allgather  every process contributes a block derived from its rank; after the collective each
              checks every block (correctness: names a slot whose contribution arrives corrupt)
              and times a larger all-gather (bandwidth, GB/s received per process)
   write      writes, fsyncs, reads back and removes a file in the checkpoint directory
 
-Run as `python -m mscale_jax.resilience.selfcheck OUT_DIR CHECKPOINT_DIR` with the MSCALE_*
-variables of worker.py; each process writes OUT_DIR/slot<slot>.json. MSCALE_BAD_SLOT=1 makes
-the process corrupt what it contributes (the `bad_slot` fault: a flaky link or device).
+The results are all-gathered, so every process reaches the same verdict (`judge`) without a
+round trip to the driver. They run inside the restarted group rather than in a separate job:
+on this machine that separate job cost as much as the restart itself. MSCALE_BAD_SLOT=1 makes
+a process corrupt what it contributes (the `bad_slot` fault: a flaky link or device).
 """
 import json
 import os
 import statistics
-import sys
 import time
 
 # A slot whose matmul rate is below this fraction of the median fails.
@@ -109,27 +110,46 @@ def judge(results: dict[int, dict | None]) -> dict[int, str | None]:
   return verdict
 
 
-def main(out_dir: str, checkpoint_dir: str) -> None:
-  from mscale_jax.resilience.worker import initialize_distributed
-  initialize_distributed()
+def run_in_group(out_dir: str, checkpoint_dir: str, *, slot: int, corrupt: bool = False):
+  """Runs every probe on this process, shares the results, judges them.
+
+  Returns (verdict {slot: None or why it fails}, results {slot: probe results}). Every process
+  writes OUT_DIR/slot<slot>.json; process 0 also writes OUT_DIR/verdict.json. Call it on every
+  process of the group, after `jax.distributed` is initialised.
+  """
   import jax
-  slot = int(os.environ.get("MSCALE_SLOT", "0"))
-  corrupt = os.environ.get("MSCALE_BAD_SLOT") == "1"
+  import numpy as np
   from jax.experimental import multihost_utils
-  # One process at a time, so that processes sharing a host do not slow each other's probe.
+  start = time.perf_counter()
   rate = None
   for rank in range(jax.process_count()):
     if rank == jax.process_index():
       rate = probe_matmul()
     multihost_utils.sync_global_devices(f"selfcheck matmul {rank}")
-  result = {"slot": slot, "rank": jax.process_index(), "matmul_gflops": rate,
-            "allgather": probe_allgather(corrupt), "write": probe_write(checkpoint_dir)}
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, f"slot{slot}.json")
+  mine = {"slot": slot, "rank": jax.process_index(), "matmul_gflops": rate,
+          "allgather": probe_allgather(corrupt), "write": probe_write(checkpoint_dir)}
+  encoded = np.zeros(_RESULT_BYTES, np.uint8)
+  raw = json.dumps(mine).encode()[:_RESULT_BYTES]
+  encoded[:len(raw)] = np.frombuffer(raw, np.uint8)
+  gathered = np.asarray(multihost_utils.process_allgather(encoded))
+  results = {}
+  for row in gathered:
+    r = json.loads(row.tobytes().rstrip(b"\0"))
+    results[r["slot"]] = r
+  verdict = judge(results)
+  _write_json(os.path.join(out_dir, f"slot{slot}.json"), mine)
+  if jax.process_index() == 0:
+    _write_json(os.path.join(out_dir, "verdict.json"), {
+        "seconds": time.perf_counter() - start, "results": results,
+        "excluded": {s: why for s, why in verdict.items() if why}})
+  return verdict, results
+
+
+_RESULT_BYTES = 4096   # one process's results as JSON, zero-padded for the all-gather
+
+
+def _write_json(path: str, value) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path + ".tmp", "w") as f:
-    json.dump(result, f)
+    json.dump(value, f)
   os.replace(path + ".tmp", path)
-
-
-if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2])

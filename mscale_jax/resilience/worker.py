@@ -10,6 +10,8 @@ The driver (or Slurm / Kubernetes) starts each worker with environment variables
   MSCALE_ATTEMPT, MSCALE_SLOT   which (re)start this is and which slot the process runs on
   MSCALE_FAULTS           JSON list of fault specs (see faults.py)
   MSCALE_COMPILE_CACHE    a folder for JAX's persistent compilation cache (restarts reuse it)
+  MSCALE_SELF_CHECK       1: run the self-checks (selfcheck.py) before training (restarts)
+  MSCALE_BAD_SLOT         1: this slot's self-check contribution is corrupt (the bad_slot fault)
 
 Without them the trainer runs as one process with no heartbeats, as before.
 """
@@ -74,6 +76,35 @@ def initialize_distributed(env=None) -> bool:
                              initialization_timeout=max(int(timeout_s), 1),
                              heartbeat_timeout_seconds=heartbeat_s)
   return True
+
+
+def self_check_if_asked(hooks: "WorkerHooks", workdir: str, env=None) -> None:
+  """Runs the group's self-checks when MSCALE_SELF_CHECK=1; exits if any slot fails them.
+
+  Every process reaches the same verdict; on a failing slot each reports a
+  `self_check_failed` failure and exits with EXIT_SELF_CHECK_FAILED, and the driver restarts
+  the group without that slot (WORKDIR/resilience/selfcheck-<attempt>/verdict.json says why).
+  """
+  import sys
+  from mscale_jax.resilience import selfcheck
+  env = os.environ if env is None else env
+  if env.get("MSCALE_SELF_CHECK") != "1":
+    return
+  hooks.start(workdir)
+  hooks.phase(events.SELF_CHECK)
+  start = time.perf_counter()
+  verdict, _ = selfcheck.run_in_group(
+      os.path.join(workdir, "resilience", f"selfcheck-{env.get('MSCALE_ATTEMPT', '0')}"),
+      os.path.join(workdir, "checkpoints"), slot=int(env.get("MSCALE_SLOT", "0")),
+      corrupt=env.get("MSCALE_BAD_SLOT") == "1")
+  failed = {slot: why for slot, why in verdict.items() if why}
+  if failed:
+    detail = "; ".join(f"slot {slot}: {why}" for slot, why in sorted(failed.items()))
+    log.error("self-check failed: %s", detail)
+    hooks.failure(events.SELF_CHECK_FAILED, detail)
+    sys.exit(events.EXIT_SELF_CHECK_FAILED)
+  log.info("self-check passed on slots %s in %.1f s", sorted(verdict),
+           time.perf_counter() - start)
 
 
 class _Tail(logging.Handler):
