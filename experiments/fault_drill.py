@@ -38,8 +38,9 @@ _REFERENCE = flags.DEFINE_string("reference", None, "A finished fault-free run t
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
 
 
-def launch(workdir: str, faults: list[str]) -> float:
-  """Runs experiments.launch to the end, streaming the driver's lines; returns wall seconds."""
+def launch(workdir: str, faults: list[str]) -> None:
+  """Runs experiments.launch to the end, streaming the driver's lines (its report holds the
+  wall time)."""
   command = [sys.executable, "-m", "experiments.launch", "--num_processes=2",
              "--devices_per_process=4", f"--spare_slots={_SPARES.value}",
              f"--hang_timeout_s={_HANG.value}", f"--hang_step_factor={_HANG_FACTOR.value}",
@@ -50,12 +51,10 @@ def launch(workdir: str, faults: list[str]) -> float:
              f"--config.train.checkpoint_every={_CHECKPOINT_EVERY.value}",
              "--config.train.log_every=1"]
   print("[drill] " + " ".join(command[1:]), flush=True)
-  start = time.time()
   result = subprocess.run(command)
   if result.returncode:
     raise SystemExit(f"[drill] the launcher exited with status {result.returncode}; see "
                      f"{workdir}/resilience/report.json and {workdir}/logs/")
-  return time.time() - start
 
 
 def read_json(path):
@@ -110,15 +109,14 @@ def _restart_s(failure: dict, run: dict) -> float | None:
   return first["time"] - failure["detected_at"] if first else None
 
 
-def where_time_went(report: dict, run: dict, iteration_s: float) -> dict:
+def where_time_went(report: dict, run: dict, per_fault: list[dict], iteration_s: float) -> dict:
   """Wall seconds of the faulty run split into training and what each kind of loss cost."""
   start = report["attempts"][0]["started"]
   first_step = min(r["time"] for r in run.values()) - start - iteration_s
   lost = {"startup_s": first_step,
-          "detection_s": sum(f["detection_latency_s"] or 0 for f in report["failures"]),
-          "restart_s": sum(_restart_s(f, run) or 0 for f in report["failures"]),
-          "replayed_steps_s": sum(f.get("steps_lost") or 0
-                                  for f in report["failures"]) * iteration_s}
+          "detection_s": sum(f["detection_latency_s"] or 0 for f in per_fault),
+          "restart_s": sum(f["restart_s"] or 0 for f in per_fault),
+          "replayed_steps_s": sum(f["steps_lost"] or 0 for f in per_fault) * iteration_s}
   training = len(run) * iteration_s
   lost["other_s"] = report["wall_s"] - training - sum(lost.values())
   return {"training_s": training, **lost,
@@ -164,7 +162,7 @@ def main(argv):
       "iteration_s": iteration_s,
       "iteration_s_source": "the fault-free run's steady mean (summary mean_tokens_per_s)",
       "effective_training_time_rate": _STEPS.value * iteration_s / report["wall_s"],
-      "where_time_went": where_time_went(report, run, iteration_s),
+      "where_time_went": where_time_went(report, run, per_fault, iteration_s),
       "restarts": report["restarts"],
       "reference_wall_s": ref_report["wall_s"],
       "reference_effective_training_time_rate": _STEPS.value * iteration_s / ref_report["wall_s"],

@@ -55,7 +55,6 @@ def _time(fn, *args):
 
 
 def _setup(stages, batch_size, scan_layers=True):
-  import jax
   import numpy as np
   from flax import nnx
   from mscale_jax import mesh as mesh_lib

@@ -4,11 +4,12 @@ Every performance figure the README cites comes from one of these records. A rec
 device, the software versions, the commit, the date and the exact command, next to the figures.
 """
 import datetime
-import json
 import os
 import platform
 import subprocess
 import sys
+
+from mscale_jax.files import write_json
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,7 +71,5 @@ def write_record(name: str, figures, *, out_dir: str | None = None, extra: dict 
   os.makedirs(out_dir, exist_ok=True)
   stamp = now.strftime("%Y%m%dT%H%M%S")
   path = os.path.join(out_dir, f"{name}-{device.get('platform', 'na')}-{stamp}.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(record, f, indent=2, sort_keys=False, default=str)
-  os.replace(path + ".tmp", path)
+  write_json(path, record, indent=2, sort_keys=False, default=str)
   return path

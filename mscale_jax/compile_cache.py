@@ -33,14 +33,14 @@ def cache_folder() -> str | None:
 _HOST_CALLBACK = re.compile(r"custom_call @\w*python\w*callback")
 
 
-def cache_key(lowered, text: str | None = None) -> str:
-  """A digest of the program (`lowered`, or its text if given) and of what ties its executable
-  to this process and runtime."""
+def cache_key(program_text: str) -> str:
+  """A digest of the program (its lowered text) and of what ties its executable to this
+  process and runtime."""
   import jaxlib
   devices = [(d.id, d.process_index, d.platform, d.device_kind) for d in jax.devices()]
   parts = [jax.__version__, jaxlib.__version__, str(jax.process_index()),
            str(jax.process_count()), repr(devices), os.environ.get("XLA_FLAGS", ""),
-           lowered.as_text() if text is None else text]
+           program_text]
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 
@@ -59,7 +59,7 @@ def compile_or_load(lowered, name: str, num_devices: int):
   text = lowered.as_text()
   if _HOST_CALLBACK.search(text):
     return lowered.compile(), False   # such executables cannot be serialised (JAX skips them too)
-  path = os.path.join(folder, f"{name}-p{jax.process_index()}-{cache_key(lowered, text)}.pkl")
+  path = os.path.join(folder, f"{name}-p{jax.process_index()}-{cache_key(text)}.pkl")
   if os.path.exists(path):
     try:
       with open(path, "rb") as f:

@@ -13,6 +13,8 @@ import json
 import os
 import time
 
+from mscale_jax.files import write_json
+
 # Dense peak FLOP/s by device kind and dtype (vendor data sheets, no sparsity).
 PEAK_FLOPS = {
     "a100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "tf32": 156e12},
@@ -93,8 +95,5 @@ def measure_cpu_peak(dtype: str = "float32", size: int = 1024, repeats: int = 5,
     best = min(best, time.perf_counter() - start)
   peak = 2.0 * size ** 3 / best
   cache[key] = peak
-  os.makedirs(os.path.dirname(cache_path), exist_ok=True)
-  with open(cache_path + ".tmp", "w") as f:
-    json.dump(cache, f)
-  os.replace(cache_path + ".tmp", cache_path)
+  write_json(cache_path, cache)
   return peak

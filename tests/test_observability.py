@@ -310,7 +310,7 @@ def test_the_run_leaves_a_merged_trace_profiles_and_per_rank_scalars(drill):
     assert os.listdir(workdir / "tensorboard" / f"rank{rank}")
   with open(workdir / "timeline" / "heatmap.png", "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-  assert f"jax.profiler trace of steps 2-3" in open(
+  assert "jax.profiler trace of steps 2-3" in open(
       next((workdir / "logs").glob("attempt0-rank1.log"))).read()
 
 

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 
+from mscale_jax.files import write_json
 from mscale_jax.resilience import events
 from mscale_jax.resilience.faults import Fault
 from mscale_jax.resilience.observer import Observer
@@ -458,11 +459,8 @@ class Driver:
               "effective_training_time_rate": steps * step_time / wall_s if step_time else None,
               "failures": self.failures, "excluded_slots": self.excluded,
               "attempts": self.attempts, "observability": self.observer.summary()}
-    os.makedirs(self.state_dir, exist_ok=True)
     path = os.path.join(self.state_dir, name)
-    with open(path + ".tmp", "w") as f:
-      json.dump(report, f, indent=2, default=str)
-    os.replace(path + ".tmp", path)
+    write_json(path, report, indent=2, default=str)
     self.say(f"{outcome}: {len(self.failures)} failures, {report['restarts']} restarts, "
              f"{wall_s:.0f} s; report {path}")
     return report

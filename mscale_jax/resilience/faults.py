@@ -18,13 +18,13 @@ fires once per run: before firing, the worker writes a marker into WORKDIR/resil
 so a restarted worker replaying step N does not fire it again.
 """
 import dataclasses
-import json
 import os
 import signal
 import threading
 import time
 
 from mscale_jax.errors import ConfigError
+from mscale_jax.files import write_json
 
 _KEYS = {
     "kill": {"rank": 0, "step": None, "at": "step"},
@@ -117,10 +117,8 @@ class FaultInjector:
 
   def _fire(self, fault: Fault, step: int) -> None:
     if self.marker_dir is not None:
-      os.makedirs(self.marker_dir, exist_ok=True)
-      with open(self._marker(fault) + ".tmp", "w") as f:
-        json.dump({"fault": fault.spec, "rank": self.rank, "step": step, "time": time.time()}, f)
-      os.replace(self._marker(fault) + ".tmp", self._marker(fault))
+      write_json(self._marker(fault),
+                 {"fault": fault.spec, "rank": self.rank, "step": step, "time": time.time()})
     print(f"[fault] rank {self.rank}: injecting {fault.spec}", flush=True)
 
   def before_step(self, step: int) -> None:

@@ -21,6 +21,8 @@ import os
 import statistics
 import time
 
+from mscale_jax.files import write_json
+
 # A slot whose matmul rate is below this fraction of the median fails.
 MIN_RATE_FRACTION = 0.5
 
@@ -137,19 +139,12 @@ def run_in_group(out_dir: str, checkpoint_dir: str, *, slot: int, corrupt: bool 
     r = json.loads(row.tobytes().rstrip(b"\0"))
     results[r["slot"]] = r
   verdict = judge(results)
-  _write_json(os.path.join(out_dir, f"slot{slot}.json"), mine)
+  write_json(os.path.join(out_dir, f"slot{slot}.json"), mine)
   if jax.process_index() == 0:
-    _write_json(os.path.join(out_dir, "verdict.json"), {
+    write_json(os.path.join(out_dir, "verdict.json"), {
         "seconds": time.perf_counter() - start, "results": results,
         "excluded": {s: why for s, why in verdict.items() if why}})
   return verdict, results
 
 
 _RESULT_BYTES = 4096   # one process's results as JSON, zero-padded for the all-gather
-
-
-def _write_json(path: str, value) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w") as f:
-    json.dump(value, f)
-  os.replace(path + ".tmp", path)

@@ -17,6 +17,7 @@ import re
 
 import numpy as np
 
+from mscale_jax.files import write_json
 from mscale_jax.resilience import timeline as timeline_lib
 
 DRIVER_PID = -1
@@ -142,16 +143,11 @@ def merge(run_dir: str) -> dict:
   if not data["ranks"]:
     raise FileNotFoundError(f"no rank*.jsonl timeline files in {directory}")
   trace_path = os.path.join(directory, "trace.json")
-  _write_json(trace_path, chrome_trace(data))
+  write_json(trace_path, chrome_trace(data))
   summary = summarize(data)
   summary_path = os.path.join(directory, "summary.json")
-  _write_json(summary_path, summary)
+  write_json(summary_path, summary)
   png = heatmap.write(data, os.path.join(directory, "heatmap.png"))
   return {"trace": trace_path, "summary": summary_path, "heatmap": png, "data": data,
           "summary_data": summary}
 
-
-def _write_json(path: str, obj) -> None:
-  with open(path + ".tmp", "w") as f:
-    json.dump(obj, f)
-  os.replace(path + ".tmp", path)
