@@ -116,20 +116,6 @@ class Table:
     return tuple(sorted(out, key=lambda msg: (msg.sent, msg.src, msg.kind)))
 
   @functools.cached_property
-  def inflight(self) -> tuple:
-    """[stages][ticks]: (microbatch, chunk) inputs a stage holds stashed after each tick
-    (forward ran, backward not yet)."""
-    out = []
-    for row in self.grid:
-      count, counts = 0, []
-      for action in row:
-        if action is not None:
-          count += 1 if action.kind == FORWARD else -1
-        counts.append(count)
-      out.append(tuple(counts))
-    return tuple(out)
-
-  @functools.cached_property
   def peak_inflight(self) -> tuple:
     """Per stage: the most (microbatch, chunk) inputs stashed at once (each holds the
     activations of 1/v of the stage's layers for one microbatch). Depends on the order only."""

@@ -170,8 +170,3 @@ class StepTable:
       totals = {r: float(sum(row[r].values())) for r in ranks}
       own = {r: {p: row[r].get(p, 0.0) for p in OWN_PHASES} for r in ranks}
       yield step, own, totals, float(np.median(list(totals.values())))
-
-  def forget_before(self, step: int) -> None:
-    """Drops rows before `step` (a rank restarted or left)."""
-    for s in [s for s in self._rows if s < step]:
-      del self._rows[s]
