@@ -34,7 +34,7 @@ SCALE_SWITCHES = ("stragglers", "slow_nodes", "ecmp_collisions", "launch_skew")
 def role(row) -> str:
   """'fitted' (the default constants were fitted to it), 'held out' (a paper figure no fit
   sees) or 'predicted' (no paper figure in our notes)."""
-  if row.table in ("table2", "table3"):
+  if row.table == "table3" or (row.table == "table2" and row.global_batch == 768):
     return "fitted"
   return "predicted" if row.paper_mfu is None else "held out"
 
@@ -254,7 +254,7 @@ def run(out_dir: str, calibration: str | None = None, hw_name: str = "a100_megas
         f"- {m}" for m in moves) + "\n"
   if interval_moves:
     md += interval_markdown(interval_moves)
-  md += sensitivity_markdown([r for r, _ in results if r.table != "fig9"], hw, c)
+  md += sensitivity_markdown([r for r, _ in results if role(r) == "fitted"], hw, c)
   with open(paths["scaling_curves.md"], "w") as f:
     f.write(md)
   plot_scaling(paths["mfu_vs_gpus.png"], results, bounds)
@@ -362,6 +362,54 @@ def run_validation(out_dir: str, hw_name: str = "a100_megascale",
           "lines": lines, "defaults_are_full_fit": same}
 
 
+def run_first_contact(out_dir: str, hw_name: str = "a100_megascale") -> dict:
+  """Protocol (c), first contact: the default constants predict the batch-6,144 Table 2 rows.
+
+  The defaults were fitted to Table 3 and the batch-768 rows of Table 2 only, so the four
+  batch-6,144 GPU counts (both systems) are predicted without them. Run once, before the model
+  was changed for them (issue 25); its record is kept and cited, never overwritten. Each row
+  also gets the interval the model gave at the time, to say whether the paper's figure fell in it.
+  """
+  from experiments.results import write_record
+  hw = hardware.get_hardware(hw_name)
+  c = constants.DEFAULT
+  rows = paper.rows()
+  held = [r for r in rows if r.table == "table2" and r.global_batch == 6144]
+  bounds, _ = sensitivity.prediction_intervals(held, fit_rows(rows), hw, c)
+  figures, lines = [], ["| system | GPUs | batch | micro-batch | paper | ours | interval | error |",
+                        "|---|---|---|---|---|---|---|---|"]
+  for row, (low, high) in zip(held, bounds):
+    pred = paper.predict_row(row, hw, c)
+    ours = 100 * pred.mfu
+    figures.append({"system": row.system, "gpus": row.gpus, "global_batch": row.global_batch,
+                    "paper_mfu": row.paper_mfu, "predicted_mfu": round(ours, 2),
+                    "error": round(ours - row.paper_mfu, 2), "predicted_low": round(low, 2),
+                    "predicted_high": round(high, 2),
+                    "paper_in_interval": low <= row.paper_mfu <= high,
+                    "micro_batch": pred.layout.micro_batch, "iteration_s": pred.iteration_s})
+    lines.append(f"| {row.system} | {row.gpus} | {row.global_batch} | {pred.layout.micro_batch} "
+                 f"| {row.paper_mfu:.1f} | {ours:.1f} | {low:.1f}-{high:.1f} | "
+                 f"{ours - row.paper_mfu:+.1f} |")
+  summary = {}
+  for system in ("megatron", "megascale", "both"):
+    errs = [f["error"] for f in figures if system in (f["system"], "both")]
+    summary[system] = {"rms": round(fit.rms(errs), 2), "worst": max(errs, key=abs),
+                       "mean": round(sum(errs) / len(errs), 2),
+                       "in_interval": sum(f["paper_in_interval"] for f in figures
+                                          if system in (f["system"], "both"))}
+  record = write_record(
+      "scaling_curves-first_contact", figures, out_dir=out_dir,
+      device={"platform": "model", "device_kind": hw.name},
+      extra={"protocol": "c: fitted without these rows (first contact)",
+             "fit_rows": "Table 3 and the batch-768 rows of Table 2 (17 rows)",
+             "fitted_constants": {n: getattr(c, n) for n in constants.FITTED},
+             "summary": summary,
+             "note": "The 12,288-GPU rows were in our notes (and held out of every fit) when the "
+                     "scale effects were added, so they are less out of sample than the "
+                     "3,072-8,192-GPU rows, which no version of the model had seen."})
+  return {"record": record, "figures": figures, "summary": summary, "lines": lines}
+
+
 def define_flags() -> None:
   """Defines the CLI flags (only when run as a script, so importing defines none)."""
   flags.DEFINE_string("out_dir", "results/scaling_curves", "Folder for the outputs.")
@@ -371,6 +419,9 @@ def define_flags() -> None:
   flags.DEFINE_bool("calibrate_any_device", False, "Apply --calibrate's record even when it was "
                     "measured on another accelerator than --hardware models.")
   flags.DEFINE_bool("intervals", True, "Compute each row's prediction interval (a few seconds).")
+  flags.DEFINE_enum("protocol", None, ["first_contact"], "Run one named protocol and write its "
+                    "record: 'first_contact', the default constants against the batch-6,144 rows "
+                    "of Table 2, which they were fitted without.")
   flags.DEFINE_bool("validate", False, "Also run the validation protocol: fit on Table 3 only "
                     "and on the 256-GPU rows only, report the held-out errors (validation.md).")
 
@@ -382,6 +433,14 @@ def main(argv):
     print(f"[scaling_curves] note: --calibrate_any_device: the GEMM curve of {f.calibrate} is "
           f"applied to {f.hardware} whatever device it was measured on; predictions may not "
           f"describe either accelerator")
+  if f.protocol == "first_contact":
+    out = run_first_contact(f.out_dir, f.hardware)
+    print("\n".join(out["lines"]))
+    for system, figs in out["summary"].items():
+      print(f"[scaling_curves] {system}: RMS {figs['rms']:.2f}, worst {figs['worst']:+.2f}, "
+            f"mean {figs['mean']:+.2f}, paper in interval {figs['in_interval']}")
+    print(f"[scaling_curves] wrote {out['record']}")
+    return
   try:
     out = run(f.out_dir, f.calibrate, f.hardware, f.calibrate_any_device, f.intervals)
     checked = run_validation(f.out_dir, f.hardware) if f.validate else None

@@ -12,7 +12,7 @@ from mscale_jax.perf import constants, iteration, paper
 from mscale_jax.perf.hardware import A100_MEGASCALE
 
 TARGET_POINTS = 1.5
-REPRODUCED = [r for r in paper.rows() if r.table in ("table2", "table3")]
+REPRODUCED = [r for r in paper.rows() if scaling_curves.role(r) == "fitted"]
 
 
 @pytest.mark.parametrize("row", REPRODUCED, ids=lambda r: f"{r.table}-{r.system}-{r.gpus}")
@@ -26,11 +26,13 @@ def test_rows_cover_the_paper():
   names = [r.system for r in paper.rows() if r.table == "table3"]
   assert names == ["baseline", "parallel_block", "sliding_window", "tp_overlap", "pp_overlap",
                    "dp_overlap", "efficient_ops", "misc", "lamb"]
-  table2 = {(r.system, r.gpus) for r in paper.rows() if r.table == "table2"}
-  assert table2 == {(s, g) for s in ("megatron", "megascale") for g in (256, 512, 768, 1024)}
+  table2 = {(r.system, r.gpus, r.global_batch) for r in paper.rows() if r.table == "table2"}
+  assert table2 == {(s, g, b) for s in ("megatron", "megascale")
+                    for b, gpus in ((768, (256, 512, 768, 1024)), (6144, (3072, 6144, 8192, 12288)))
+                    for g in gpus}
+  assert all(r.paper_mfu is not None for r in paper.rows() if r.table == "table2")
   fig9 = {(r.model.name, r.gpus, r.global_batch) for r in paper.rows() if r.table == "fig9"}
-  assert {("175B", g, 6144) for g in (3072, 6144, 8192, 12288)} <= fig9
-  assert {("530B", g, g) for g in (2240, 4480, 11200)} <= fig9
+  assert fig9 == {("530B", g, g) for g in (2240, 4480, 11200)}
 
 
 def test_one_constant_set_for_every_row(monkeypatch):
@@ -93,10 +95,10 @@ def test_scaling_curves_writes_outputs(tmp_path):
     low, mid, high = (float(r[k]) for k in ("predicted_low", "predicted_mfu", "predicted_high"))
     assert low <= mid <= high and high - low < 15
     width[(r["table"], r["system"], int(r["gpus"]))] = high - low
-  assert width[("fig9", "megascale", 12288)] > width[("table2", "megascale", 256)]
+  assert width[("table2", "megascale", 12288)] > width[("table2", "megascale", 256)]
   md = (tmp_path / "scaling_curves.md").read_text()
   assert "| table3 | 175B | baseline | 256 | 256 | fitted | 47.7 |" in md
-  assert "| fig9 | 175B | megascale | 12288 | 6144 | held out | 55.2 |" in md
+  assert "| table2 | 175B | megascale | 12288 | 6144 | held out | 55.2 |" in md
   for name in ("mfu_vs_gpus.png", "ablation_waterfall.png"):
     assert os.path.getsize(tmp_path / name) > 1000
   with open(out["paths"]["record"]) as f:

@@ -134,8 +134,8 @@ def protocols(rows: list | None = None) -> list:
   rows = paper.rows() if rows is None else rows
   known = [r for r in rows if r.paper_mfu is not None]
   table3 = [r for r in known if r.table == "table3"]
-  table2 = [r for r in known if r.table == "table2"]
-  large = [r for r in known if r.table == "fig9"]
+  table2 = [r for r in known if r.table == "table2" and r.global_batch == 768]
+  large = [r for r in known if r not in table3 + table2]
   at_256 = [r for r in table3 + table2 if r.gpus == 256]
   return [("a: fit Table 3, predict Table 2", table3, table2 + large),
           ("b: fit 256 GPUs, predict 512-1,024", at_256,
