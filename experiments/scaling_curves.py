@@ -300,9 +300,11 @@ def validation_markdown(validations, validations_off, model, cov, c, hw, first) 
            "MFU of its throughput where it gives one), MFU points; the micro-batch is the "
            "shared rule's (`paper.predict_row`).", ""]
   lines += report.protocols_table(validations, cov)
+  pooled = ("n/a (one protocol)" if cov["pooled"] != cov["pooled"]
+            else f"{100 * cov['pooled']:.0f}%")
   lines += ["", f"Coverage column: the share of that protocol's held-out figures inside the "
             f"{100 * NOMINAL:.0f}% interval calibrated on the other protocols only; pooled over "
-            f"all: {100 * cov['pooled']:.0f}% (nominal {100 * NOMINAL:.0f}%). Calibrated on all "
+            f"all: {pooled} (nominal {100 * NOMINAL:.0f}%). Calibrated on all "
             f"of them ({model.count} errors): half-width {model.quantile:.2f} x ({model.base:.2f} "
             f"+ {model.slope:.2f} x distance) points beyond the micro-batch range, "
             f"{100 * cov['calibration']:.0f}% on those errors (nominal by construction). The "

@@ -74,7 +74,8 @@ def protocols_table(validations: list, coverage: dict) -> list:
     cov = coverage.get(name)
     lines.append(f"| {v.name} | {len(v.fit.rows)} | {v.fit.rms:.2f} / {v.fit.worst:.2f} | "
                  f"{len(oos)} | {fit.rms(oos):.2f} / {max(abs(e) for e in oos):.2f} | "
-                 f"{sum(oos) / len(oos):+.2f} | {_f(None if cov is None else 100 * cov, '.0f')}% |")
+                 f"{sum(oos) / len(oos):+.2f} | "
+                 f"{'n/a' if cov is None else format(100 * cov, '.0f') + '%'} |")
   return lines
 
 
