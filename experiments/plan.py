@@ -14,8 +14,8 @@ from absl import app, flags
 
 from mscale_jax.errors import ConfigError
 from mscale_jax.perf import calibrate, constants, hardware, paper, search
-from mscale_jax.perf.iteration import BREAKDOWN_KEYS, predict
-from mscale_jax.perf.workload import MODELS, Layout
+from mscale_jax.perf.iteration import BREAKDOWN_KEYS
+from mscale_jax.perf.workload import MODELS
 
 
 def describe(pred) -> str:
@@ -61,23 +61,17 @@ def plan(model_name: str, gpus: int, hw_name: str, batch: int, scale: int, top: 
   if gpus % (tp * pp):
     print(f"paper layout tp={tp} pp={pp} does not divide {gpus} GPUs")
     return best
-  ref_layouts = [Layout(tp, pp, vpp, gpus // (tp * pp), mb, batch)
-                 for mb in paper.MICRO_BATCHES]
-  refs = []
-  for lay in ref_layouts:
-    try:
-      pred = predict(model, lay, paper.MEGASCALE, hw, c)
-    except ConfigError:
-      continue
-    if pred.fits:
-      refs.append(pred)
+  refs = paper.micro_batch_choices(model, gpus, batch, paper.MEGASCALE, hw, c)
   if not refs:
     print(f"paper layout tp={tp} pp={pp} vpp={vpp}: no micro-batch gives a valid layout that "
           f"fits here")
     return best
-  ref = max(refs, key=lambda p: p.mfu)
-  print(f"paper layout: {describe(ref)}")
+  ref = paper.tuned(refs)
+  others = ", ".join(f"mb={p.layout.micro_batch} {100 * p.mfu:.1f}%" for p in refs if p is not ref)
+  print(f"paper layout (micro-batch by the rule scaling_curves uses): {describe(ref)}")
   print(breakdown(ref))
+  if others:
+    print(f"  the paper gives no micro-batch; the other candidates: {others}")
   gain = 100 * (best[0].mfu - ref.mfu)
   if best[0].layout == ref.layout and best[0].techniques == ref.techniques:
     print("the search finds the paper's layout")

@@ -1,47 +1,59 @@
-r"""Reproduces the paper's MFU tables from the performance model, and predicts its larger runs.
+r"""Reproduces the paper's MFU tables from the performance model, with calibrated intervals.
 
   python -m experiments.scaling_curves                      # writes results/scaling_curves/
-  python -m experiments.scaling_curves --validate           # + the out-of-sample protocol
+  python -m experiments.scaling_curves --validate           # + validation.md and its record
+  python -m experiments.scaling_curves --protocol=c         # one validation protocol, its record
   python -m experiments.scaling_curves --out_dir=/tmp/sc \
       --calibrate=results/kernel_bench-gemm-gpu-<stamp>.json
 
-Rows: Table 3 (ablation, 175B, 256 GPUs), the batch-768 rows of Table 2 (175B, 256-1,024 GPUs)
-for Megatron-LM and MegaScale, and the larger runs (175B at batch 6,144 on 3,072-12,288 GPUs,
-530B weak scaling), all from one set of constants (`mscale_jax.perf.constants.DEFAULT`, or its
-calibrated copy), each with a prediction interval from the constants' documented ranges
-(`mscale_jax.perf.sensitivity.prediction_intervals`). Writes scaling_curves.csv,
-scaling_curves.md, two PNG plots and a JSON record. --validate also fits the constants on subsets
-of the paper's rows and reports the held-out errors (`mscale_jax.perf.fit`; validation.md and
-its own record). MFU is the paper's: Megatron FLOPs per token over 312 TFLOP/s per GPU
-(mscale_jax.flops).
+Rows: Table 3 (ablation, 175B, 256 GPUs), Table 2 (175B, batch 768 on 256-1,024 GPUs and batch
+6,144 on 3,072-12,288) for Megatron-LM and MegaScale, and the 530B weak-scaling runs (Figure 9,
+no figure in our notes), all from one set of constants (`mscale_jax.perf.constants.DEFAULT`,
+fitted to every row with a paper figure, or its calibrated copy). Each row's interval is its
+micro-batch range (the paper gives no micro-batch) widened by the model's own out-of-sample
+error at the row's extrapolation distance, calibrated to 80% coverage on the validation
+protocols (`mscale_jax.perf.intervals`); the constants' documented ranges, varied jointly, are a
+separate column (`sensitivity.constant_range_band`). Writes scaling_curves.csv,
+scaling_curves.md, validation.md (with --validate), two PNG plots and JSON records. MFU is the
+paper's: Megatron FLOPs per token over 312 TFLOP/s per GPU (mscale_jax.flops); the paper
+figure a prediction is compared with is the MFU of the paper's throughput where it gives one
+(`paper.target_mfu`).
 """
 import csv
 import dataclasses
+import glob
+import json
 import os
 import sys
 
 from absl import app, flags
 
+from experiments import scaling_report as report
 from mscale_jax.errors import ConfigError
-from mscale_jax.perf import calibrate, constants, fit, hardware, paper, sensitivity
-from mscale_jax.perf.iteration import BREAKDOWN_KEYS
+from mscale_jax.perf import calibrate, constants, fit, hardware, layer, paper, sensitivity
+from mscale_jax.perf import intervals as perf_intervals
 
 CSV_COLUMNS = ("table", "model", "system", "gpus", "global_batch", "predicted_mfu", "paper_mfu",
-               "predicted_low", "predicted_high")
-SCALE_SWITCHES = ("stragglers", "slow_nodes", "ecmp_collisions", "launch_skew")
+               "predicted_low", "predicted_high", "fitted", "paper_throughput_mfu",
+               "micro_batch", "micro_batch_low", "micro_batch_high", "constants_low",
+               "constants_high", "distance")
+NOMINAL = 0.8
+SCALE_SWITCHES = report.SCALE_SWITCHES
+
+
+def fitted(row) -> bool:
+  """Whether the default constants were fitted to `row`: every row with a paper figure."""
+  return paper.target_mfu(row) is not None
 
 
 def role(row) -> str:
-  """'fitted' (the default constants were fitted to it), 'held out' (a paper figure no fit
-  sees) or 'predicted' (no paper figure in our notes)."""
-  if row.table in ("table2", "table3"):
-    return "fitted"
-  return "predicted" if row.paper_mfu is None else "held out"
+  """'fitted' (the defaults were fitted to it) or 'predicted' (no paper figure in our notes)."""
+  return "fitted" if fitted(row) else "predicted"
 
 
 def fit_rows(rows: list) -> list:
-  """The rows the default constants are fitted to: Tables 2 and 3."""
-  return [r for r in rows if role(r) == "fitted"]
+  """The rows the default constants are fitted to."""
+  return [r for r in rows if fitted(r)]
 
 
 def predict_rows(hw, c) -> list:
@@ -49,23 +61,33 @@ def predict_rows(hw, c) -> list:
   return [(row, paper.predict_row(row, hw, c)) for row in paper.rows()]
 
 
-def csv_record(row, pred, interval=None) -> dict:
-  """One CSV line: MFU in percent, paper_mfu (and an absent interval) empty where none."""
-  low, high = ("", "") if interval is None else (round(interval[0], 2), round(interval[1], 2))
+def _round(value, digits=2):
+  return "" if value is None else round(value, digits)
+
+
+def csv_record(row, pred, band=None) -> dict:
+  """One CSV line: MFU in percent; empty cells where there is no figure or no interval."""
+  band = band or {}
+  nuisance, consts = band.get("nuisance", (None, None)), band.get("constants", (None, None))
   return {"table": row.table, "model": row.model.name, "system": row.system, "gpus": row.gpus,
           "global_batch": row.global_batch, "predicted_mfu": round(100 * pred.mfu, 2),
           "paper_mfu": "" if row.paper_mfu is None else row.paper_mfu,
-          "predicted_low": low, "predicted_high": high}
+          "predicted_low": _round(band.get("low")), "predicted_high": _round(band.get("high")),
+          "fitted": "yes" if fitted(row) else "no",
+          "paper_throughput_mfu": _round(paper.throughput_mfu(row)),
+          "micro_batch": pred.layout.micro_batch, "micro_batch_low": _round(nuisance[0]),
+          "micro_batch_high": _round(nuisance[1]), "constants_low": _round(consts[0]),
+          "constants_high": _round(consts[1]), "distance": _round(band.get("distance"))}
 
 
-def write_csv(path: str, results: list, intervals: list | None = None) -> None:
+def write_csv(path: str, results: list, bands: list | None = None) -> None:
   """Writes one CSV line per row with `CSV_COLUMNS`."""
-  intervals = intervals or [None] * len(results)
+  bands = bands or [None] * len(results)
   with open(path, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
     writer.writeheader()
-    for (row, pred), interval in zip(results, intervals):
-      writer.writerow(csv_record(row, pred, interval))
+    for (row, pred), band in zip(results, bands):
+      writer.writerow(csv_record(row, pred, band))
 
 
 def scale_effects(results: list, hw, c) -> list:
@@ -80,155 +102,136 @@ def scale_effects(results: list, hw, c) -> list:
   return out
 
 
-def markdown(results: list, notes: list, intervals: list | None = None,
-             effects: list | None = None) -> str:
-  """Paper vs ours (with interval) per row, marked fitted / held out / predicted; what each
-  scale effect costs; then each row's breakdown (seconds per iteration)."""
-  intervals = intervals or [None] * len(results)
-  lines = ["# Scaling curves: paper vs performance model", "",
-           "MFU in percent (Megatron formula, 312 TFLOP/s per A100). Produced by "
-           "`python -m experiments.scaling_curves`; every row uses the same constants. Role: "
-           "*fitted* rows are the ones the default constants were fitted to (Tables 2 and 3); "
-           "*held out* rows have a paper figure that no fit ever sees; *predicted* rows have "
-           "none in our notes. The interval is the prediction interval of "
-           "`sensitivity.prediction_intervals` (docs/perf_model.md, 'Error bars').", ""]
-  lines += [f"- {n}" for n in notes] + [""]
-  lines += ["| table | model | system | GPUs | batch | role | paper | ours | interval | diff |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-  for (row, pred), interval in zip(results, intervals):
-    ours = 100 * pred.mfu
-    paper_s = "" if row.paper_mfu is None else f"{row.paper_mfu:.1f}"
-    diff = "" if row.paper_mfu is None else f"{ours - row.paper_mfu:+.1f}"
-    band = "" if interval is None else f"{interval[0]:.1f}-{interval[1]:.1f}"
-    lines.append(f"| {row.table} | {row.model.name} | {row.system} | {row.gpus} | "
-                 f"{row.global_batch} | {role(row)} | {paper_s} | {ours:.1f} | {band} | {diff} |")
-  if effects:
-    lines += ["", "## What each scale effect costs (MFU points: that switch off minus all on)",
-              "", "| table | model | system | GPUs | " + " | ".join(SCALE_SWITCHES) + " |",
-              "|" + "---|" * (4 + len(SCALE_SWITCHES))]
-    for (row, _), costs in zip(results, effects):
-      if row.table == "table3":
-        continue
-      cells = " | ".join(f"{costs[k]:.2f}" for k in SCALE_SWITCHES)
-      lines.append(f"| {row.table} | {row.model.name} | {row.system} | {row.gpus} | {cells} |")
-  lines += ["", "## Breakdown of each iteration (seconds)", "",
-            "| table | model | system | GPUs | batch | layout | recompute | memory GB | iter | "
-            + " | ".join(BREAKDOWN_KEYS) + " |",
-            "|" + "---|" * (9 + len(BREAKDOWN_KEYS))]
+def held_errors(validation) -> tuple:
+  """(errors, distances) of a protocol's counted held-out rows, an error being how far the
+  paper figure lies outside the prediction's micro-batch range (`intervals.excess`)."""
+  held = validation.counted
+  return ([perf_intervals.excess(h.target, h.low, h.high) for h in held],
+          [h.distance for h in held])
+
+
+def error_model(validations: list, nominal: float = NOMINAL) -> perf_intervals.ErrorModel:
+  """The error model calibrated on every protocol's counted held-out rows."""
+  errs, dists = [], []
+  for v in validations:
+    e, d = held_errors(v)
+    errs, dists = errs + e, dists + d
+  return perf_intervals.calibrate(errs, dists, nominal)
+
+
+def coverage(validations: list, model, nominal: float = NOMINAL) -> dict:
+  """Achieved coverage: per protocol and pooled with each protocol left out of the calibration
+  ('cross-validated'), and on every held-out error with the full calibration ('calibration',
+  nominal by construction)."""
+  groups = {v.protocol.name: held_errors(v) for v in validations if v.counted}
+  out = perf_intervals.cross_validated_coverage(groups, nominal)
+  errs = [e for es, _ in groups.values() for e in es]
+  dists = [d for _, ds in groups.values() for d in ds]
+  out["calibration"] = perf_intervals.coverage(errs, [model.half_width(d) for d in dists])
+  return out
+
+
+def row_bands(results: list, model, hw, c, samples: int, points: int) -> tuple:
+  """Per row {'low', 'high', 'nuisance', 'constants', 'distance', 'half_width'} and the
+  constant-range band's summary."""
+  rows = [r for r, _ in results]
+  fitted_rows = fit_rows(rows)
+  band = sensitivity.constant_range_band(rows, fitted_rows, hw, c, samples, points)
+  out = []
+  for i, row in enumerate(rows):
+    low, high = fit.nuisance_range(row, hw, c)
+    distance = fit.distance(row, fitted_rows)
+    width = model.half_width(distance)
+    out.append({"low": low - width, "high": high + width, "nuisance": (low, high),
+                "constants": band["band"][i], "distance": distance, "half_width": width})
+  return out, band
+
+
+def weak_scaling(results: list, hw, c) -> list:
+  """530B rows and the 175B batch-6,144 rows: percent of each iteration in the terms that
+  differ between them (the last stage's LM head: its extra seconds per micro-batch times the
+  micro-batches)."""
+  out = []
   for row, pred in results:
+    if row.global_batch == 768 or row.table == "table3":
+      continue
     lay = pred.layout
-    layout = f"tp{lay.tp} pp{lay.pp} v{lay.vpp} dp{lay.dp} mb{lay.micro_batch}"
-    cells = " | ".join(f"{pred.breakdown[k]:.2f}" for k in BREAKDOWN_KEYS)
-    lines.append(f"| {row.table} | {row.model.name} | {row.system} | {row.gpus} | "
-                 f"{row.global_batch} | {layout} | {pred.recompute} | "
-                 f"{pred.memory.total / 1e9:.1f} | {pred.iteration_s:.2f} | {cells} |")
-  return "\n".join(lines) + "\n"
+    head = layer.head_cost(row.model, lay, row.techniques, hw, c).total
+    share = lambda seconds: 100 * seconds / pred.iteration_s
+    out.append({"model": row.model.name, "system": row.system, "gpus": row.gpus,
+                "batch": row.global_batch, "micro_batch": lay.micro_batch,
+                "micro_batches": lay.num_micro_batches, "bubble": share(pred.breakdown["bubble"]),
+                "head": share(head * lay.num_micro_batches),
+                "dp": share(pred.breakdown["dp_exposed"]),
+                "stragglers": share(pred.breakdown["stragglers"]), "mfu": 100 * pred.mfu})
+  return sorted(out, key=lambda d: (d["system"], d["model"], d["gpus"]))
 
 
-def sensitivity_markdown(rows: list, hw, c) -> str:
-  """A section listing how far +-10% in each float constant moves the reproduced rows."""
-  lines = ["", "## Sensitivity: each constant scaled by 0.9 and 1.1, the others held", "",
-           "| constant | value | largest MFU move (points) | worst error vs paper after |",
-           "|---|---|---|---|"]
-  for name, move, worst in sensitivity.sensitivity(rows, 0.1, hw, c):
-    lines.append(f"| {name} | {getattr(c, name):.3g} | {move:.2f} | {worst:.2f} |")
-  lines += ["", "The GEMM efficiency sets the absolute level (every row moves with it); the "
-            "steps between rows come from the mechanisms, which the other constants size."]
-  return "\n".join(lines) + "\n"
+def first_contact(out_dir: str) -> dict | None:
+  """The newest first-contact record in `out_dir` (protocol (c) before any model change)."""
+  paths = sorted(glob.glob(os.path.join(out_dir, "scaling_curves-first_contact-*.json")))
+  if not paths:
+    return None
+  with open(paths[-1]) as f:
+    return {"path": paths[-1], **json.load(f)}
 
 
-def plot_scaling(path: str, results: list, intervals: list | None = None) -> None:
-  """MFU against GPUs for both systems: 175B (Table 2 and the batch-6144 runs) and 530B, each
-  model curve with its prediction interval as a band; paper figures as crosses (filled where
-  the constants were fitted to them, open where held out)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  intervals = intervals or [None] * len(results)
-  fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
-  for ax, model in zip(axes, ("175B", "530B")):
-    for system, color in (("megatron", "tab:blue"), ("megascale", "tab:red")):
-      pts = sorted((r.gpus, 100 * p.mfu, r.paper_mfu, r.global_batch, iv, role(r))
-                   for (r, p), iv in zip(results, intervals)
-                   if r.model.name == model and r.system == system and r.table != "table3")
-      groups = sorted({q[3] for q in pts}) if model == "175B" else ["= GPUs"]
-      for batch, style in zip(groups, ("-o", "--s")):
-        sub = [q for q in pts if q[3] == batch or batch == "= GPUs"]
-        ax.plot([q[0] for q in sub], [q[1] for q in sub], style, color=color, ms=3,
-                label=f"{system} model (batch {batch})")
-        if all(q[4] is not None for q in sub):
-          ax.fill_between([q[0] for q in sub], [q[4][0] for q in sub], [q[4][1] for q in sub],
-                          color=color, alpha=0.15, lw=0)
-      for which, marker in (("fitted", "x"), ("held out", "D")):
-        known = [q for q in pts if q[2] is not None and q[5] == which]
-        if known:
-          ax.plot([q[0] for q in known], [q[2] for q in known], marker, color=color, ms=8,
-                  mfc="none", label=f"{system} paper ({which})")
-    ax.set_xscale("log")
-    ticks = sorted({r.gpus for r, _ in results if r.model.name == model and r.table != "table3"})
-    ax.set_xticks(ticks, [f"{t:,}" for t in ticks], rotation=45, fontsize=7)
-    ax.minorticks_off()
-    ax.set_xlabel("GPUs")
-    ax.set_ylabel("MFU (%)")
-    ax.set_title(f"{model}: model (band: prediction interval) vs paper")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+def progress(protocol) -> None:
+  """Prints which protocol is being fitted."""
+  print(f"[scaling_curves] protocol {protocol.name} ({protocol.description}): fitting "
+        f"{len(protocol.fit_rows)} rows", flush=True)
 
 
-def plot_waterfall(path: str, results: list) -> None:
-  """Table 3 as a waterfall: each step's MFU gain, model bars against the paper's steps."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  steps = [(r.system, 100 * p.mfu, r.paper_mfu) for r, p in results if r.table == "table3"]
-  fig, ax = plt.subplots(figsize=(10, 4))
-  prev = None
-  for i, (name, ours, paper_mfu) in enumerate(steps):
-    base = 0.0 if prev is None else prev
-    height = ours if prev is None else ours - prev
-    ax.bar(i, height, bottom=base, color="tab:gray" if prev is None else
-           ("tab:green" if height >= 0 else "tab:red"), width=0.6)
-    ax.plot([i - 0.3, i + 0.3], [paper_mfu, paper_mfu], color="black", lw=2)
-    ax.text(i, max(ours, paper_mfu) + 0.4, f"{ours:.1f}\n({paper_mfu:.1f})", ha="center",
-            fontsize=7)
-    prev = ours
-  ax.plot([], [], color="black", lw=2, label="paper (cumulative); labels: ours (paper)")
-  ax.set_xticks(range(len(steps)), [s[0] for s in steps], rotation=30, ha="right")
-  ax.set_ylim(40, 72)
-  ax.set_ylabel("MFU (%)")
-  ax.set_title("Table 3 ablation (175B, 256 GPUs): model steps vs paper")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def interval_markdown(moves: dict) -> str:
-  """A section listing how far each constant moves some row within its interval sweep."""
-  lines = ["", "## Error bars: the largest move of any row per constant (MFU points)", "",
-           "Unfitted constants at each end of their documented range; fitted ones as far as "
-           "the fitted rows allow (95% profile); the level re-fitted after each change.", "",
-           "| constant | fitted | largest move |", "|---|---|---|"]
-  for name, move in sorted(moves.items(), key=lambda t: -t[1]):
-    lines.append(f"| {name} | {'yes' if name in constants.FITTED else 'no'} | {move:.2f} |")
+def markdown(results, notes, bands, summary, effects, weak, c, hw) -> str:
+  """scaling_curves.md: every row against the paper, the interval method's numbers, the scale
+  effects' costs, 530B against 175B, each iteration's breakdown and the +-10% sensitivity."""
+  lines = ["# Scaling curves: paper vs performance model", "",
+           "Produced by `python -m experiments.scaling_curves`; every row uses the same "
+           "constants, fitted to every row with a paper figure (`fitted`). MFU in percent, "
+           "Megatron formula, 312 TFLOP/s per A100; 'paper, from its throughput' is the MFU of "
+           "the paper's tokens/s or iteration time by that formula (what the model is compared "
+           "with where the paper gives it; the paper's MegaScale column counts ~1% fewer FLOPs).",
+           ""] + [f"- {n}" for n in notes] + [""]
+  if summary:
+    m, cov = summary["error_model"], summary["coverage"]
+    lines += [f"Interval: the micro-batch range (every plausible micro-batch; the paper gives "
+              f"none) widened by {m.quantile:.2f} x ({m.base:.2f} + {m.slope:.2f} x distance) "
+              f"points on each side, distance in doublings beyond what was fitted "
+              f"(`fit.distance`): calibrated to {100 * NOMINAL:.0f}% on {m.count} out-of-sample "
+              f"errors of the validation protocols; achieved {100 * cov['pooled']:.0f}% with "
+              f"each protocol left out of the calibration; fitted rows inside their interval: "
+              f"{summary['fitted_inside']}. Constants' band: {summary['constants_kept']} of "
+              f"{summary['constants_samples']} joint draws of the constants within their ranges "
+              f"kept by the fitted rows (a separate component, not part of the interval).", ""]
+  lines += report.rows_table(results, bands)
+  lines += ["", "## What each scale effect costs (MFU points: that switch off minus all on)", ""]
+  lines += report.scale_effects_table(results, effects)
+  lines += ["", "## 530B (Figure 9) against 175B: percent of each iteration", ""]
+  lines += report.weak_scaling_table(weak)
+  lines += ["", "## Breakdown of each iteration (seconds)", ""]
+  lines += report.breakdown_table(results)
+  rows = [r for r, _ in results if fitted(r)]
+  lines += ["", "## Sensitivity: each constant scaled by 0.9 and 1.1, the others held", ""]
+  lines += report.sensitivity_table(sensitivity.sensitivity(rows, 0.1, hw, c), c)
   return "\n".join(lines) + "\n"
 
 
 def run(out_dir: str, calibration: str | None = None, hw_name: str = "a100_megascale",
-        allow_other_device: bool = False, intervals: bool = True) -> dict:
+        allow_other_device: bool = False, intervals: bool = True,
+        points: int = fit.GRID_POINTS, samples: int = 48, validations: list | None = None) -> dict:
   """Predicts every row, writes the outputs to `out_dir`; returns {'paths', 'results', ...}.
 
   A calibration record must come from the accelerator `hw_name` models unless
-  `allow_other_device`. `intervals=False` leaves the interval columns empty (faster).
+  `allow_other_device`. The intervals need the validation protocols (`fit.validate`, fitted on
+  a `points` grid; a minute or two) unless `validations` are given; `intervals=False` leaves
+  the interval columns empty (seconds).
   """
   from experiments.results import write_record
   hw = hardware.get_hardware(hw_name)
   c = constants.DEFAULT
   notes = ["No GPU benchmark record was used: efficiency constants are the documented defaults "
-           "(the seven fitted ones as `fit.fit` returns them on Tables 2 and 3)."]
+           f"(the {len(constants.FITTED)} fitted ones as `fit.fit` returns them on every row "
+           "with a paper figure)."]
   moves = []
   if calibration:
     c, note = calibrate.calibrated(constants.DEFAULT, calibration, hw,
@@ -239,127 +242,175 @@ def run(out_dir: str, calibration: str | None = None, hw_name: str = "a100_megas
     for (row, pred), (_, old) in zip(results, predict_rows(hw, constants.DEFAULT)):
       moves.append(f"{row.table} {row.model.name} {row.system} {row.gpus} GPUs: "
                    f"{100 * old.mfu:.1f} -> {100 * pred.mfu:.1f}")
-  bounds, interval_moves = None, {}
+  bands, summary = None, None
   if intervals:
-    bounds, interval_moves = sensitivity.prediction_intervals(
-        [r for r, _ in results], fit_rows([r for r, _ in results]), hw, c)
+    if validations is None:
+      validations = fit.validate(hw, c, points=points, progress=progress)
+    model = error_model(validations)
+    print(f"[scaling_curves] constants' band: {samples} joint draws", flush=True)
+    bands, band = row_bands(results, model, hw, c, samples, points)
+    inside = sum(b["low"] <= paper.target_mfu(r) <= b["high"]
+                 for (r, _), b in zip(results, bands) if fitted(r))
+    summary = {"error_model": model, "coverage": coverage(validations, model),
+               "fitted_inside": f"{inside} of {len(fit_rows([r for r, _ in results]))}",
+               "constants_kept": band["kept"], "constants_samples": band["samples"],
+               "constants_ranges": band["ranges"]}
   effects = scale_effects(results, hw, c)
+  weak = weak_scaling(results, hw, c)
   os.makedirs(out_dir, exist_ok=True)
   paths = {name: os.path.join(out_dir, name) for name in
            ("scaling_curves.csv", "scaling_curves.md", "mfu_vs_gpus.png", "ablation_waterfall.png")}
-  write_csv(paths["scaling_curves.csv"], results, bounds)
-  md = markdown(results, notes, bounds, effects)
+  write_csv(paths["scaling_curves.csv"], results, bands)
+  md = markdown(results, notes, bands, summary, effects, weak, c, hw)
   if moves:
     md += "\n## How calibration moved each prediction (MFU %)\n\n" + "\n".join(
         f"- {m}" for m in moves) + "\n"
-  if interval_moves:
-    md += interval_markdown(interval_moves)
-  md += sensitivity_markdown([r for r, _ in results if r.table != "fig9"], hw, c)
   with open(paths["scaling_curves.md"], "w") as f:
     f.write(md)
-  plot_scaling(paths["mfu_vs_gpus.png"], results, bounds)
-  plot_waterfall(paths["ablation_waterfall.png"], results)
-  figures = [{**csv_record(r, p, None if bounds is None else bounds[i]), "role": role(r),
-              "iteration_s": p.iteration_s, "breakdown_s": p.breakdown,
-              "scale_effect_points": effects[i], "micro_batch": p.layout.micro_batch,
-              "recompute": p.recompute, "memory_gb": p.memory.total / 1e9}
+  report.plot_scaling(paths["mfu_vs_gpus.png"], results, bands)
+  report.plot_waterfall(paths["ablation_waterfall.png"], results)
+  figures = [{**csv_record(r, p, None if bands is None else bands[i]), "role": role(r),
+              "target_mfu": paper.target_mfu(r), "iteration_s": p.iteration_s,
+              "paper_iteration_s": paper.paper_iteration_s(r), "breakdown_s": p.breakdown,
+              "scale_effect_points": effects[i], "recompute": p.recompute,
+              "memory_gb": p.memory.total / 1e9}
              for i, (r, p) in enumerate(results)]
-  paths["record"] = write_record(
-      "scaling_curves", figures, out_dir=out_dir,
-      device={"platform": "model", "device_kind": hw.name},
-      extra={"notes": notes, "calibration": calibration, "calibration_moves": moves,
-             "fitted_constants": {n: getattr(c, n) for n in constants.FITTED},
-             "interval_moves": interval_moves})
-  return {"paths": paths, "results": results, "notes": notes, "moves": moves,
-          "intervals": bounds}
+  extra = {"notes": notes, "calibration": calibration, "calibration_moves": moves,
+           "fitted_constants": {n: getattr(c, n) for n in constants.FITTED},
+           "weak_scaling": weak}
+  if summary:
+    extra["intervals"] = {**summary, "error_model": dataclasses.asdict(summary["error_model"]),
+                          "nominal": NOMINAL}
+  paths["record"] = write_record("scaling_curves", figures, out_dir=out_dir,
+                                 device={"platform": "model", "device_kind": hw.name},
+                                 extra=extra)
+  return {"paths": paths, "results": results, "notes": notes, "moves": moves, "bands": bands,
+          "summary": summary, "validations": validations}
 
 
-def validation_lines(validations: list) -> list:
-  """The validation protocol's outcome as markdown lines (also what --validate prints)."""
-  lines = ["| protocol | fitted constants | fit rows | in-sample RMS / worst | held-out rows | "
-           "out-of-sample RMS / worst |", "|---|---|---|---|---|---|"]
-  for v in validations:
-    oos = v.out_of_sample
-    lines.append(f"| {v.name} | {len(v.fit.names)} | {len(v.fit.rows)} | "
-                 f"{v.fit.rms:.2f} / {v.fit.worst:.2f} | {len(oos)} | "
-                 f"{fit.rms(oos):.2f} / {max(abs(e) for e in oos):.2f} |")
-  lines += ["", "Held-out rows (error = ours - paper, MFU points):", "",
-            "| protocol | table | system | GPUs | batch | paper | error |",
-            "|---|---|---|---|---|---|---|"]
-  for v in validations:
-    for row, err, dup in v.held_out:
-      note = " (the same run as fitted Table 3 'lamb'; not counted)" if dup else ""
-      lines.append(f"| {v.name.split(':')[0]} | {row.table} | {row.system} | {row.gpus} | "
-                   f"{row.global_batch} | {row.paper_mfu:.1f} | {err:+.2f}{note} |")
-  lines += ["", "Fitted values per protocol:", "",
-            "| constant | range | " + " | ".join(v.name.split(':')[0] for v in validations) + " |",
-            "|---|---|" + "---|" * len(validations)]
-  for name in constants.FITTED:
-    lo, hi = constants.RANGES[name]
-    lines.append(f"| {name} | {lo:g}-{hi:g} | " + " | ".join(
-        f"{getattr(v.fit.constants, name):g}" for v in validations) + " |")
+def validation_markdown(validations, validations_off, model, cov, c, hw, first) -> list:
+  """validation.md's lines: the protocols, their held-out rows, the interval calibration, the
+  first contact, the paper's own time split and the fitted values per protocol."""
+  fitted_names = ", ".join(constants.FITTED)
+  lines = ["# Validation: fit on some of the paper's rows, predict the others", "",
+           "Produced by `python -m experiments.scaling_curves --validate`. Each protocol fits "
+           f"the {len(constants.FITTED)} constants of `constants.FITTED` ({fitted_names}) on a "
+           "grid within their ranges (`fit.fit`), every other constant at its source value, "
+           "and predicts the rows it did not fit. Errors are ours minus the paper's figure (the "
+           "MFU of its throughput where it gives one), MFU points; the micro-batch is the "
+           "shared rule's (`paper.predict_row`).", ""]
+  lines += report.protocols_table(validations, cov)
+  pooled = ("n/a (one protocol)" if cov["pooled"] != cov["pooled"]
+            else f"{100 * cov['pooled']:.0f}%")
+  lines += ["", f"Coverage column: the share of that protocol's held-out figures inside the "
+            f"{100 * NOMINAL:.0f}% interval calibrated on the other protocols only; pooled over "
+            f"all: {pooled} (nominal {100 * NOMINAL:.0f}%). Calibrated on all "
+            f"of them ({model.count} errors): half-width {model.quantile:.2f} x ({model.base:.2f} "
+            f"+ {model.slope:.2f} x distance) points beyond the micro-batch range, "
+            f"{100 * cov['calibration']:.0f}% on those errors (nominal by construction). The "
+            "protocols share rows, so the left-out coverage is still optimistic.", ""]
+  if first:
+    s = first["summary"]
+    lines += ["## Protocol (c), first contact (recorded before the model changed, never rerun)",
+              "", f"Record `{os.path.basename(first['path'])}` (commit {first['commit'][:7]}, "
+              "`--protocol=first_contact` there): the defaults of that commit, fitted to Table 3 "
+              "and batch 768, against the batch-6,144 rows as printed: MegaScale RMS "
+              f"{s['megascale']['rms']:.2f} (worst {s['megascale']['worst']:+.2f}, mean "
+              f"{s['megascale']['mean']:+.2f}), Megatron-LM RMS {s['megatron']['rms']:.2f} (worst "
+              f"{s['megatron']['worst']:+.2f}); {s['both']['in_interval']} of 8 paper figures "
+              "inside the intervals of the time. Against the paper's throughput instead (as "
+              "every protocol above compares), the same predictions err by:", "",
+              "| system | GPUs | ours then | paper, printed | paper, from its throughput | "
+              "error then |", "|---|---|---|---|---|---|"]
+    table2 = {(r.system, r.gpus): r for r in paper.rows() if r.global_batch == 6144}
+    for figure in first["figures"]:
+      target = paper.throughput_mfu(table2[(figure["system"], figure["gpus"])])
+      lines.append(f"| {figure['system']} | {figure['gpus']} | {figure['predicted_mfu']:.2f} | "
+                   f"{figure['paper_mfu']:.1f} | {target:.2f} | "
+                   f"{figure['predicted_mfu'] - target:+.2f} |")
+    lines.append("")
+  lines += ["## Held-out rows", ""] + report.held_out_table(validations, model)
+  lines += ["", "## The paper's own times, split", "",
+            "`paper.time_split`: Table 2's iteration seconds as per-sequence x sequences per "
+            "pipeline + fixed, fitted per system and batch (no model), and the same split of "
+            "the default model's predictions.", ""]
+  lines += report.time_split_table(lambda r: paper.predict_row(r, hw, c).iteration_s)
+  lines += ["", "## Fitted values per protocol", ""]
+  lines += report.fitted_values_table(validations, constants.FITTED, constants.RANGES)
+  if validations_off:
+    lines += ["", "## The same protocols with every scale effect switched off (refitted)", "",
+              "| protocol | in-sample RMS | out-of-sample RMS / worst |", "|---|---|---|"]
+    for v in validations_off:
+      oos = v.out_of_sample
+      worst = f"{max(abs(e) for e in oos):.2f}" if oos else ""
+      lines.append(f"| {v.name} | {v.fit.rms:.2f} | {fit.rms(oos):.2f} / {worst} |")
   return lines
 
 
-def summary_lines(validations: list) -> list:
-  """One line per protocol: out-of-sample RMS / worst."""
-  return [f"| {v.name} | {fit.rms(v.out_of_sample):.2f} / "
-          f"{max(abs(e) for e in v.out_of_sample):.2f} |" for v in validations]
+def validation_figures(validations: list) -> list:
+  """The record's figures: each protocol's fit and its held-out rows."""
+  out = []
+  for v in validations:
+    oos = v.out_of_sample
+    out.append({"protocol": v.name, "fitted_constants": len(v.fit.names),
+                "fit_rows": len(v.fit.rows), "in_sample_rms": v.fit.rms,
+                "in_sample_worst": v.fit.worst, "held_out_rows": len(oos),
+                "out_of_sample_rms": fit.rms(oos) if oos else None,
+                "out_of_sample_worst": max(abs(e) for e in oos) if oos else None,
+                "held_out": [{"table": h.row.table, "system": h.row.system, "gpus": h.row.gpus,
+                              "global_batch": h.row.global_batch, "paper_mfu": h.row.paper_mfu,
+                              "target_mfu": h.target, "error": h.error,
+                              "micro_batch_range": [h.low, h.high], "distance": h.distance,
+                              "same_run_as_fitted": h.duplicate} for h in v.held_out],
+                "constants": {n: getattr(v.fit.constants, n) for n in v.fit.names}})
+  return out
 
 
 def run_validation(out_dir: str, hw_name: str = "a100_megascale",
-                   points: int = fit.GRID_POINTS, compare_off: bool = True) -> dict:
-  """Runs `fit.validate`, writes validation.md and a record; returns {'paths', 'validations'}.
+                   points: int = fit.GRID_POINTS, compare_off: bool = True,
+                   validations: list | None = None, names=None) -> dict:
+  """Runs `fit.validate` (or takes `validations`), writes validation.md and a record.
 
-  With `compare_off`, the protocol runs again with every scale effect switched off, so the
-  report shows what the scale mechanisms do to the out-of-sample errors.
+  With `compare_off`, the protocols run again with every scale effect off, so the report shows
+  what the scale mechanisms do to the out-of-sample errors. `names` runs only those protocols
+  (their record is named after them, and no validation.md is written).
   """
   from experiments.results import write_record
   hw = hardware.get_hardware(hw_name)
-  validations = fit.validate(hw, constants.DEFAULT, points=points)
-  off = dataclasses.replace(constants.DEFAULT, **{s: False for s in SCALE_SWITCHES})
-  validations_off = fit.validate(hw, off, points=points) if compare_off else []
-  full = validations[-1].fit.constants
-  same = all(getattr(full, n) == getattr(constants.DEFAULT, n) for n in constants.FITTED)
-  fitted = ", ".join(constants.FITTED)
-  lines = ["# Validation: fit on some of the paper's rows, predict the others", "",
-           "Produced by `python -m experiments.scaling_curves --validate`. Each protocol fits "
-           f"the {len(constants.FITTED)} constants of `constants.FITTED` ({fitted}) on a "
-           f"{points}-point grid within their documented ranges (`fit.fit`: coordinate then "
-           "pairwise search minimising the RMS error, from the middle of every range); all "
-           "other constants keep their source values; scale effects are never fitted.", "",
-           f"The default constants {'are' if same else 'are NOT'} the 'full' protocol's fit.", ""]
-  lines += validation_lines(validations)
-  if validations_off:
-    lines += ["", "The same protocols with every scale effect switched off (refitted), "
-              "out-of-sample RMS / worst:", "", "| protocol | scale effects off |", "|---|---|"]
-    lines += summary_lines(validations_off)
+  c = constants.DEFAULT
+  if validations is None:
+    validations = fit.validate(hw, c, points=points, names=names, progress=progress)
+  off = dataclasses.replace(c, **{s: False for s in SCALE_SWITCHES})
+  validations_off = (fit.validate(hw, off, points=points, names=names, progress=progress)
+                     if compare_off else [])
+  counted = [v for v in validations if v.counted]
+  model = error_model(counted)
+  cov = coverage(counted, model) if len(counted) > 1 else {"pooled": float("nan"),
+                                                            "calibration": float("nan")}
+  full = [v for v in validations if v.protocol.name == "full"]
+  same = bool(full) and all(getattr(full[0].fit.constants, n) == getattr(c, n)
+                            for n in constants.FITTED)
+  lines = validation_markdown(validations, validations_off, model, cov, c, hw,
+                              first_contact(out_dir))
+  if full:
+    lines.insert(2, f"The default constants {'are' if same else 'are NOT'} the 'full' "
+                 "protocol's fit.\n")
   os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, "validation.md")
-  with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
-  figures = []
-  for v in validations:
-    oos = v.out_of_sample
-    figures.append({"protocol": v.name, "fitted_constants": len(v.fit.names),
-                    "fit_rows": len(v.fit.rows), "in_sample_rms": v.fit.rms,
-                    "in_sample_worst": v.fit.worst, "held_out_rows": len(oos),
-                    "out_of_sample_rms": fit.rms(oos),
-                    "out_of_sample_worst": max(abs(e) for e in oos),
-                    "held_out": [{"table": r.table, "system": r.system, "gpus": r.gpus,
-                                  "global_batch": r.global_batch, "paper_mfu": r.paper_mfu,
-                                  "error": e, "same_run_as_fitted": d} for r, e, d in v.held_out],
-                    "constants": {n: getattr(v.fit.constants, n) for n in v.fit.names}})
-  off_figures = [{"protocol": v.name, "in_sample_rms": v.fit.rms,
-                  "out_of_sample_rms": fit.rms(v.out_of_sample),
-                  "out_of_sample_worst": max(abs(e) for e in v.out_of_sample)}
-                 for v in validations_off]
-  record = write_record("scaling_curves-validate", figures, out_dir=out_dir,
-                        device={"platform": "model", "device_kind": hw.name},
-                        extra={"grid_points": points, "defaults_are_full_fit": same,
-                               "scale_effects_off": off_figures})
-  return {"paths": {"validation.md": path, "record": record}, "validations": validations,
-          "lines": lines, "defaults_are_full_fit": same}
+  paths = {}
+  if names is None:
+    paths["validation.md"] = os.path.join(out_dir, "validation.md")
+    with open(paths["validation.md"], "w") as f:
+      f.write("\n".join(lines) + "\n")
+  name = "scaling_curves-validate" if names is None else (
+      "scaling_curves-protocol_" + "".join(sorted(names)))
+  paths["record"] = write_record(
+      name, validation_figures(validations), out_dir=out_dir,
+      device={"platform": "model", "device_kind": hw.name},
+      extra={"grid_points": points, "defaults_are_full_fit": same, "nominal": NOMINAL,
+             "error_model": dataclasses.asdict(model), "coverage": cov,
+             "scale_effects_off": validation_figures(validations_off)})
+  return {"paths": paths, "validations": validations, "lines": lines,
+          "defaults_are_full_fit": same, "coverage": cov, "error_model": model}
 
 
 def define_flags() -> None:
@@ -370,9 +421,13 @@ def define_flags() -> None:
   flags.DEFINE_string("hardware", "a100_megascale", "Hardware preset.")
   flags.DEFINE_bool("calibrate_any_device", False, "Apply --calibrate's record even when it was "
                     "measured on another accelerator than --hardware models.")
-  flags.DEFINE_bool("intervals", True, "Compute each row's prediction interval (a few seconds).")
-  flags.DEFINE_bool("validate", False, "Also run the validation protocol: fit on Table 3 only "
-                    "and on the 256-GPU rows only, report the held-out errors (validation.md).")
+  flags.DEFINE_bool("intervals", True, "Compute each row's prediction interval (fits the "
+                    "validation protocols: a minute or two).")
+  flags.DEFINE_integer("samples", 48, "Joint draws of the constants for the constants' band.")
+  flags.DEFINE_bool("validate", False, "Also write validation.md and its record: every "
+                    "protocol's fit and held-out errors, and the same with scale effects off.")
+  flags.DEFINE_enum("protocol", None, ["a", "b", "c", "d", "e"], "Run only this validation "
+                    "protocol (docs/perf_model.md) and write its record; no other output.")
 
 
 def main(argv):
@@ -383,26 +438,38 @@ def main(argv):
           f"applied to {f.hardware} whatever device it was measured on; predictions may not "
           f"describe either accelerator")
   try:
-    out = run(f.out_dir, f.calibrate, f.hardware, f.calibrate_any_device, f.intervals)
-    checked = run_validation(f.out_dir, f.hardware) if f.validate else None
+    if f.protocol:
+      checked = run_validation(f.out_dir, f.hardware, compare_off=False, names={f.protocol})
+      print("\n".join(checked["lines"]))
+      print(f"[scaling_curves] wrote {checked['paths']['record']}")
+      return
+    out = run(f.out_dir, f.calibrate, f.hardware, f.calibrate_any_device, f.intervals,
+              samples=f.samples)
+    checked = (run_validation(f.out_dir, f.hardware, validations=out["validations"])
+               if f.validate else None)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  fitted = [abs(100 * p.mfu - r.paper_mfu) for r, p in out["results"] if role(r) == "fitted"]
-  held = [abs(100 * p.mfu - r.paper_mfu) for r, p in out["results"] if role(r) == "held out"]
-  bounds = out["intervals"] or [None] * len(out["results"])
-  for (row, pred), interval in zip(out["results"], bounds):
-    paper_s = "" if row.paper_mfu is None else f"paper {row.paper_mfu:5.1f}"
-    band = "" if interval is None else f"[{interval[0]:5.1f}, {interval[1]:5.1f}]"
+  errs = [100 * p.mfu - paper.target_mfu(r) for r, p in out["results"] if fitted(r)]
+  bands = out["bands"] or [None] * len(out["results"])
+  for (row, pred), band in zip(out["results"], bands):
+    target = paper.target_mfu(row)
+    paper_s = "" if target is None else f"paper {target:5.1f}"
+    interval = "" if band is None else f"[{band['low']:5.1f}, {band['high']:5.1f}]"
     print(f"{row.table:6s} {row.model.name:4s} {row.system:15s} {row.gpus:6d} GPUs "
-          f"batch {row.global_batch:5d}: ours {100 * pred.mfu:5.1f} {band:14s} {role(row):9s} "
-          f"{paper_s}")
+          f"batch {row.global_batch:5d} mb {pred.layout.micro_batch}: ours {100 * pred.mfu:5.1f} "
+          f"{interval:14s} {role(row):9s} {paper_s}")
   for note in out["notes"] + out["moves"]:
     print(f"note: {note}")
-  print(f"[scaling_curves] fitted Table 2/3 rows: worst error {max(fitted):.2f} MFU points; "
-        f"held-out 12,288-GPU rows: worst {max(held):.2f}")
+  print(f"[scaling_curves] fitted rows: RMS {fit.rms(errs):.2f}, worst "
+        f"{max(errs, key=abs):+.2f} MFU points")
+  if out["summary"]:
+    cov = out["summary"]["coverage"]
+    print(f"[scaling_curves] {100 * NOMINAL:.0f}% intervals: achieved {100 * cov['pooled']:.0f}% "
+          f"on held-out rows with each protocol left out; fitted rows inside: "
+          f"{out['summary']['fitted_inside']}")
   if checked:
-    print("\n".join(checked["lines"]))
+    print("\n".join(checked["lines"][:20]))
   for path in list(out["paths"].values()) + (list(checked["paths"].values()) if checked else []):
     print(f"[scaling_curves] wrote {path}")
 

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from mscale_jax.perf import comm, compute, iteration, layer, memory
+from mscale_jax.perf import comm, compute, iteration, layer, memory, scale
 from mscale_jax.perf.constants import DEFAULT, Constants
 from mscale_jax.perf.hardware import A100_MEGASCALE as A100
 from mscale_jax.perf.workload import GPT_175B, Layout, Techniques
@@ -89,19 +89,64 @@ def test_tp_collective_and_exposure():
 
 
 def test_dp_exposure():
-  assert iteration.dp_exposure(3.0, 1.0, 4, False, 100.0, 0.0, 0.1) == 4.0
-  # Last chunk's reduce-scatter, first chunk's all-gather, 10% slow-down on the hidden 3 s.
-  assert iteration.dp_exposure(3.0, 1.0, 4, True, 100.0, 0.0, 0.1) == pytest.approx(
+  assert iteration.dp_exposure(3.0, 1.0, 4, False, 9.0, 9.0, 0.0, 0.1) == 4.0
+  # Windows long enough: the last chunk's reduce-scatter and the first chunk's all-gather are
+  # exposed; the other 3 chunks' 3 s of traffic hide and slow compute by its 10% SM share.
+  assert iteration.dp_exposure(3.0, 1.0, 4, True, 9.0, 9.0, 0.0, 0.1) == pytest.approx(
       0.75 + 0.25 + 0.3)
-  assert iteration.dp_exposure(3.0, 1.0, 4, True, 100.0, 1.0, 0.1) == pytest.approx(0.75 + 0.3)
-  # Traffic that does not fit in the compute window is exposed.
-  assert iteration.dp_exposure(3.0, 1.0, 4, True, 2.0, 0.0, 0.0) == pytest.approx(1.0 + 1.0)
+  assert iteration.dp_exposure(3.0, 1.0, 4, True, 9.0, 9.0, 1.0, 0.1) == pytest.approx(0.75 + 0.3)
+
+
+def test_dp_overlap_waits_for_the_last_micro_batch():
+  """Gradients accumulate over micro-batches: a chunk's reduce-scatter hides only behind the
+  next chunk down's backward ticks, its all-gather only behind the chunk before's forwards;
+  what overflows a window is exposed once per chunk, and only that traffic stops costing SMs."""
+  rs, ag, chunks, share = 3.0, 1.0, 4, 0.1
+  long = iteration.dp_exposure(rs, ag, chunks, True, 9.0, 9.0, 0.0, share)
+  short = iteration.dp_exposure(rs, ag, chunks, True, 0.1, 0.5, 0.0, share)
+  late = 3 * ((0.75 - 0.5) + (0.25 - 0.1))
+  assert short == pytest.approx(long + late - share * late) and short > long
+  # In a prediction: a small micro-batch on a slow network leaves short windows.
+  slow = dataclasses.replace(A100, nic_bw=A100.nic_bw / 16)
+  tech = Techniques(dp_overlap=True, efficient_ops=True, pp_overlap=True)
+  lay = Layout(tp=8, pp=8, vpp=6, dp=4, micro_batch=1, global_batch=256)
+  pred = iteration.predict(GPT_175B, lay, tech, slow, DEFAULT)
+  rs_s, ag_s = iteration.dp_times(GPT_175B, lay, slow, DEFAULT)
+  stage = (pred.breakdown["compute"] + pred.breakdown["memory_bound"]
+           + pred.breakdown["tp_exposed"]) / lay.num_micro_batches
+  ag_window, rs_window = 8 * stage / 6 / 3, 8 * 2 * stage / 6 / 3
+  assert ag_s / 6 > ag_window or rs_s / 6 > rs_window          # the windows are too short here
+  whole_step = iteration.dp_exposure(rs_s, ag_s, 6, True, 1e9, 1e9, 0.0,
+                                     comm.sm_share(slow, DEFAULT))
+  assert pred.breakdown["dp_exposed"] > whole_step + 0.01
 
 
 def test_p2p_time_sends_sequence_shard():
   num_bytes = 2048 * 12288 * 2 / 8
   expect = DEFAULT.p2p_latency_s + num_bytes / (25e9 * DEFAULT.p2p_eff)
   assert iteration.p2p_time(GPT_175B, LAYOUT, A100, DEFAULT) == pytest.approx(expect)
+
+
+def test_p2p_time_derated_by_ecmp_above_the_tor():
+  """Stages 8 * 96 ranks apart cross the aggregation tier: the send keeps the ECMP share of the
+  bandwidth, as the DP rings do; with ECMP collisions off it does not; under the ToR, no change."""
+  far = Layout(tp=8, pp=8, vpp=6, dp=96, micro_batch=1, global_batch=96 * 48)
+  assert comm.group_link(A100, 2, 8 * 96, DEFAULT).tier == "aggregation"
+  num_bytes = 2048 * 12288 * 2 / 8
+  off = dataclasses.replace(DEFAULT, ecmp_collisions=False)
+  bw = 25e9 * DEFAULT.p2p_eff
+  assert iteration.p2p_time(GPT_175B, far, A100, off) == pytest.approx(
+      DEFAULT.p2p_latency_s + num_bytes / bw)
+  share = scale.ecmp_share(DEFAULT)
+  assert share < 1.0
+  assert iteration.p2p_time(GPT_175B, far, A100, DEFAULT) == pytest.approx(
+      DEFAULT.p2p_latency_s + num_bytes / (bw * share))
+  assert iteration.p2p_time(GPT_175B, LAYOUT, A100, off) == iteration.p2p_time(
+      GPT_175B, LAYOUT, A100, DEFAULT)
+  # Megatron-LM's blocking sends are on the critical path: their exposed time grows by 1/share.
+  on_pp, off_pp = (iteration.predict(GPT_175B, far, Techniques(), A100, c).breakdown["pp_exposed"]
+                   for c in (DEFAULT, off))
+  assert on_pp > off_pp
 
 
 def test_bubble_is_interleaved_1f1b():

@@ -107,7 +107,9 @@ def test_fit_recovers_known_constants():
       r for r in paper.rows() if r.table == "table3"][:3]
   truth = dataclasses.replace(DEFAULT, nvlink_eff=fit.grid("nvlink_eff", 5)[1],
                               host_per_iteration_s=fit.grid("host_per_iteration_s", 5)[3])
-  synthetic = [dataclasses.replace(r, paper_mfu=100 * paper.predict_row(r, c=truth).mfu)
+  # Rows of no table: their figure is the synthetic one (no paper throughput replaces it).
+  synthetic = [dataclasses.replace(r, table="synthetic",
+                                   paper_mfu=100 * paper.predict_row(r, c=truth).mfu)
                for r in rows]
   result = fit.fit(synthetic, names=("nvlink_eff", "host_per_iteration_s"), points=5)
   assert result.rms < 1e-9
@@ -117,8 +119,9 @@ def test_fit_recovers_known_constants():
 
 def test_defaults_are_a_grid_minimum_of_the_full_fit():
   """No fitted constant moved alone to another grid value, nor two by one step each, improves
-  the full fit's RMS: DEFAULT satisfies `fit.fit`'s stopping rule."""
-  rows = [r for r in paper.rows() if r.table in ("table2", "table3")]
+  the full fit's RMS: DEFAULT satisfies `fit.fit`'s stopping rule on every row with a figure."""
+  rows = scaling_curves.fit_rows(paper.rows())
+  assert len(rows) == 25
   best = fit.rms(fit.errors(rows, A100, DEFAULT))
   for name in constants.FITTED:
     lo, hi = constants.RANGES[name]
@@ -133,19 +136,21 @@ def test_defaults_are_a_grid_minimum_of_the_full_fit():
 
 
 def test_validate_mode_runs(tmp_path):
-  out = scaling_curves.run_validation(str(tmp_path), points=3, compare_off=False)
-  names = [v.name.split(":")[0] for v in out["validations"]]
-  assert names == ["a", "b", "full"]
-  a, b, _ = out["validations"]
-  assert {r.table for r in a.fit.rows} == {"table3"} and {r.gpus for r in b.fit.rows} == {256}
+  validations = fit.validate(points=3, names={"c", "e"})
+  out = scaling_curves.run_validation(str(tmp_path), points=3, compare_off=False,
+                                      validations=validations)
+  c, e = out["validations"]
+  assert {r.global_batch for r in c.fit.rows} == {256, 768}
+  assert {h.row.global_batch for h in c.held_out} == {6144} and len(c.counted) == 8
   for v in out["validations"]:
-    counted = [r for r, _, dup in v.held_out if not dup]
-    assert counted and not any(r in v.fit.rows for r in counted)
-    assert len(v.out_of_sample) == len(counted) and all(math.isfinite(e) for e in v.out_of_sample)
-  # Table 2's 256-GPU MegaScale row is Table 3's last step: held out in (a) but not counted.
-  assert [r.system for r, _, dup in a.held_out if dup] == ["megascale"]
+    assert not any(h.row in v.fit.rows for h in v.held_out)
+    for h in v.counted:
+      assert h.low <= h.target + h.error <= h.high          # the rule's MFU is in its range
+      assert h.distance > 0 and math.isfinite(h.error)
+  assert 0.0 <= out["coverage"]["pooled"] <= 1.0
   text = (tmp_path / "validation.md").read_text()
-  assert "out-of-sample RMS" in text and "| a: fit Table 3, predict Table 2 | 7 | 9 |" in text
+  assert "| c: fit batch 768, predict batch 6,144 | 17 |" in text
+  assert "The paper's own times, split" in text
 
 
 def test_refit_level_repins_the_mean_error_to_zero():

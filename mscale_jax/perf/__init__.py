@@ -7,9 +7,11 @@
 
 Modules: hardware (presets), workload (model, layout, switches, validation), constants (the one
 constant set, its ranges, which are fitted), compute / comm / layer / memory (cost terms), scale
-(costs that grow with the number of ranks), iteration (one step), paper (the paper's rows),
-search (layout planner), calibrate (measured GEMM efficiency), fit (grid-search fit and the
-validation protocol), sensitivity (prediction intervals).
+(costs that grow with the number of ranks), iteration (one step), paper (the paper's rows, their
+figures and the shared micro-batch rule), search (layout planner), calibrate (measured GEMM
+efficiency), fit (grid-search fit and the validation protocols), intervals (prediction intervals
+from the out-of-sample errors, and their coverage), sensitivity (+-10% per constant; the
+constants' ranges varied jointly).
 """
 from mscale_jax.perf.constants import DEFAULT, Constants
 from mscale_jax.perf.hardware import (A100_MEGASCALE, H100_DGX, H800_DGX, TPU_V5P, Hardware,

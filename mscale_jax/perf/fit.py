@@ -26,9 +26,13 @@ def grid(name: str, points: int = GRID_POINTS) -> list:
 
 
 def errors(rows: list, hw: Hardware, c: Constants) -> list:
-  """Predicted minus paper MFU, in points, for every row that has a paper figure."""
-  return [100 * paper.predict_row(r, hw, c).mfu - r.paper_mfu for r in rows
-          if r.paper_mfu is not None]
+  """Predicted minus paper MFU, in points, for every row that has a paper figure.
+
+  The paper figure is `paper.target_mfu`: the MFU of the paper's throughput where it gives
+  one, its printed MFU elsewhere.
+  """
+  return [100 * paper.predict_row(r, hw, c).mfu - paper.target_mfu(r) for r in rows
+          if paper.target_mfu(r) is not None]
 
 
 def rms(errs: list) -> float:
@@ -124,45 +128,121 @@ def same_run(a: paper.Row, b: paper.Row) -> bool:
                                                               b.techniques)
 
 
-def protocols(rows: list | None = None) -> list:
-  """(name, fit rows, held-out rows) of the validation protocol (docs/perf_model.md).
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+  """Fit the constants on `fit_rows`, predict `test_rows` (named by a letter, see protocols)."""
+  name: str
+  description: str
+  fit_rows: tuple
+  test_rows: tuple
 
-  (a) fit on Table 3 only, predict Table 2; (b) fit on the 256-GPU rows only, predict 512-1,024
-  GPUs; (full) fit on both tables, the default constants. Every protocol also predicts the
-  12,288-GPU rows, the only larger runs with a figure in our notes, which no fit ever sees.
+
+def protocols(rows: list | None = None) -> list:
+  """The validation protocols (docs/perf_model.md), each a `Protocol`; the last is 'full'.
+
+  (a) fit Table 3, predict Table 2; (b) fit the 256-GPU rows, predict every larger run;
+  (c) fit the batch-768 rows, predict batch 6,144 (the protocol of the first contact, rerun on
+  the current model); (d) fit up to 3,072 GPUs, predict 6,144-12,288; (e) fit up to 6,144,
+  predict 8,192 and 12,288; (full) fit every row with a paper figure: the default constants.
+  (b) to (e) predict larger GPU counts from smaller ones.
   """
   rows = paper.rows() if rows is None else rows
-  known = [r for r in rows if r.paper_mfu is not None]
-  table3 = [r for r in known if r.table == "table3"]
-  table2 = [r for r in known if r.table == "table2"]
-  large = [r for r in known if r.table == "fig9"]
-  at_256 = [r for r in table3 + table2 if r.gpus == 256]
-  return [("a: fit Table 3, predict Table 2", table3, table2 + large),
-          ("b: fit 256 GPUs, predict 512-1,024", at_256,
-           [r for r in table2 if r.gpus > 256] + large),
-          ("full: fit Tables 2+3 (the defaults)", table3 + table2, large)]
+  known = tuple(r for r in rows if paper.target_mfu(r) is not None)
+  table3 = tuple(r for r in known if r.table == "table3")
+  batch_768 = tuple(r for r in known if r.global_batch != 6144)
+
+  def split(name, description, fitted):
+    return Protocol(name, description, fitted, tuple(r for r in known if r not in fitted))
+
+  return [split("a", "fit Table 3, predict Table 2", table3),
+          split("b", "fit 256 GPUs, predict 512-12,288", tuple(r for r in known if r.gpus == 256)),
+          split("c", "fit batch 768, predict batch 6,144", batch_768),
+          split("d", "fit <= 3,072 GPUs, predict 6,144-12,288",
+                tuple(r for r in known if r.gpus <= 3072)),
+          split("e", "fit <= 6,144 GPUs, predict 8,192-12,288",
+                tuple(r for r in known if r.gpus <= 6144)),
+          split("full", "fit every row (the defaults)", known)]
+
+
+def distance(row: paper.Row, fit_rows) -> float:
+  """How far `row` extrapolates from `fit_rows`, in doublings (log2 ratios), summed over:
+  GPU count beyond the largest fitted for that model, global batch from the nearest fitted
+  one, and parameter count from the nearest fitted model. 0 inside what was fitted."""
+  gpus = max(f.gpus for f in fit_rows)
+  batch = min(abs(math.log2(row.global_batch / f.global_batch)) for f in fit_rows)
+  size = min(abs(math.log2(row.model.num_params / f.model.num_params)) for f in fit_rows)
+  return max(0.0, math.log2(row.gpus / gpus)) + batch + size
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+  """One held-out row: the rule's error, its micro-batch nuisance range and distance."""
+  row: paper.Row
+  error: float           # rule's prediction minus the paper figure, points
+  low: float             # slowest candidate micro-batch's MFU, percent
+  high: float            # fastest (the rule's) MFU, percent
+  target: float          # the paper figure, percent
+  distance: float
+  duplicate: bool        # the same run as a fitted row (Table 3's last step); not counted
 
 
 @dataclasses.dataclass(frozen=True)
 class Validation:
-  """One protocol's outcome: the fit and the held-out rows' errors (points)."""
-  name: str
+  """One protocol's outcome: the fit and its held-out rows."""
+  protocol: Protocol
   fit: Fit
-  held_out: tuple        # (row, error, same run as a fitted row)
+  held_out: tuple        # Held
+
+  @property
+  def name(self) -> str:
+    """'<letter>: <description>'."""
+    return f"{self.protocol.name}: {self.protocol.description}"
+
+  @property
+  def counted(self) -> list:
+    """Held-out rows that are not a fitted row under another name."""
+    return [h for h in self.held_out if not h.duplicate]
 
   @property
   def out_of_sample(self) -> list:
-    """Errors of held-out rows that are not a fitted row under another name."""
-    return [e for _, e, dup in self.held_out if not dup]
+    """Errors (points) of the counted held-out rows."""
+    return [h.error for h in self.counted]
+
+
+def nuisance_range(row: paper.Row, hw: Hardware, c: Constants) -> tuple:
+  """(low, high) MFU in percent over the candidate micro-batches of `row`: its nuisance range
+  (the paper gives no micro-batch; `paper.micro_batch_choices`)."""
+  choices = paper.micro_batch_choices(row.model, row.gpus, row.global_batch, row.techniques,
+                                      hw, c)
+  if not choices:
+    mfu = 100 * paper.predict_row(row, hw, c).mfu
+    return mfu, mfu
+  return (100 * min(p.mfu for p in choices), 100 * max(p.mfu for p in choices))
+
+
+def held_out(row: paper.Row, result: Fit, hw: Hardware) -> Held:
+  """`row` predicted by the fit `result`, which did not see it."""
+  target = paper.target_mfu(row)
+  ours = 100 * paper.predict_row(row, hw, result.constants).mfu
+  low, high = nuisance_range(row, hw, result.constants)
+  return Held(row, ours - target, min(low, ours), max(high, ours), target,
+              distance(row, result.rows), any(same_run(row, f) for f in result.rows))
 
 
 def validate(hw: Hardware = A100_MEGASCALE, base: Constants = DEFAULT,
-             points: int = GRID_POINTS) -> list:
-  """Runs every protocol of `protocols()`: one `Validation` each."""
+             points: int = GRID_POINTS, rows: list | None = None, names=None,
+             progress=None) -> list:
+  """Runs every protocol of `protocols(rows)` (or those `names`): one `Validation` each.
+
+  `progress(protocol)` is called before each fit (a few seconds each).
+  """
   out = []
-  for name, fit_rows, test_rows in protocols():
-    result = fit(fit_rows, hw, base, points=points)
-    held = tuple((r, errors([r], hw, result.constants)[0], any(same_run(r, f) for f in fit_rows))
-                 for r in test_rows)
-    out.append(Validation(name, result, held))
+  for protocol in protocols(rows):
+    if names is not None and protocol.name not in names:
+      continue
+    if progress:
+      progress(protocol)
+    result = fit(list(protocol.fit_rows), hw, base, points=points)
+    out.append(Validation(protocol, result,
+                          tuple(held_out(r, result, hw) for r in protocol.test_rows)))
   return out

@@ -42,15 +42,38 @@ class Prediction:
 
 
 def p2p_time(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants) -> float:
-  """One stage-to-stage transfer: each TP rank sends its sequence shard of the activations."""
+  """One stage-to-stage transfer: each TP rank sends its sequence shard of the activations.
+
+  Stages are `tp * dp` ranks apart. Across nodes a transfer reaches `p2p_eff` of the NIC rate,
+  derated for ECMP collisions on every switch tier above the innermost one it crosses, as the
+  DP rings are (`scale.tier_bandwidth_share`).
+  """
   if layout.pp == 1:
     return 0.0
   num_bytes = layout.micro_batch * model.seq_len * model.hidden * 2.0 / layout.tp
   link = comm.group_link(hw, 2, layout.tp * layout.dp, c)
   if link.tier == "node":
     return comm.send_recv_time(num_bytes, link)
-  return comm.send_recv_time(num_bytes, comm.Link(hw.net_bw_per_device * c.p2p_eff,
-                                                  c.p2p_latency_s, link.tier))
+  bw = hw.net_bw_per_device * c.p2p_eff * scale.tier_bandwidth_share(hw, link.tier, c)
+  return comm.send_recv_time(num_bytes, comm.Link(bw, c.p2p_latency_s, link.tier))
+
+
+def bubble_time(layout: Layout, stage_s: float, hop_s: float, pp_overlap: bool) -> float:
+  """Seconds the slowest stage idles in the pipeline's fill and drain: the one place the bubble
+  is costed.
+
+  `stage_s` is one micro-batch through all of the stage's chunks (forward and backward); a
+  tick, one chunk's forward or backward, is half of `stage_s / vpp` (parallel/schedule.py).
+  The idle ticks are those of Megatron-LM's schedule table for (pp, vpp, m). With decoupled,
+  asynchronous sends (`pp_overlap`) the steady state hides the transfers, but the fill and
+  drain still wait `2 (pp - 1)` hops of `hop_s`.
+  """
+  p, v, m = layout.pp, layout.vpp, layout.num_micro_batches
+  idle_ticks = schedule.megatron_summary(p, v, m)[0]
+  bubble = idle_ticks * stage_s / (2 * v)
+  if pp_overlap:
+    bubble += 2 * (p - 1) * hop_s
+  return bubble
 
 
 def dp_times(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants) -> tuple:
@@ -74,22 +97,27 @@ def embedding_sync_time(model: ModelSpec, layout: Layout, hw: Hardware, c: Const
   return comm.all_reduce_time(num_bytes, 2, comm.group_link(hw, 2, stride, c))
 
 
-def dp_exposure(rs: float, ag: float, chunks: int, overlap: bool, window: float,
-                prefetch_window: float, share: float) -> float:
+def dp_exposure(rs: float, ag: float, chunks: int, overlap: bool, ag_window: float,
+                rs_window: float, prefetch_window: float, share: float) -> float:
   """Exposed data-parallel seconds.
 
-  Without overlap the reduce-scatter and all-gather run after the pipeline drains. With it,
-  each model chunk's collective runs behind the other chunks' compute: only the last chunk's
-  reduce-scatter is exposed, and the first chunk's all-gather beyond what host work at the
-  start of the step (`prefetch_window`) hides. Hidden traffic slows compute by the `share` of
-  SMs it takes;
-  traffic that does not fit in the compute `window` is exposed.
+  Without overlap the reduce-scatter and all-gather run after the pipeline drains. With it
+  (MegaScale's ZeRO-2), each of the `chunks` model chunks has its own collectives, issued one
+  after another on the communication stream. Gradients accumulate over the micro-batches, so a
+  chunk's reduce-scatter can start only after its last micro-batch's backward and has the
+  backward ticks of the next chunk down (`rs_window`) to hide behind; the last chunk's is
+  exposed. A chunk's all-gather of updated parameters must arrive before its first forward and
+  has the forward ticks of the chunk before it (`ag_window`); the first chunk's hides only
+  behind host work at the start of the step (`prefetch_window`). What does not fit in its
+  window is exposed, once per chunk; hidden traffic slows compute by the `share` of SMs it takes.
   """
   if not overlap or rs + ag == 0.0:
     return rs + ag
-  exposed = rs / chunks + max(0.0, ag / chunks - prefetch_window)
-  hidden = (rs + ag) * (1.0 - 1.0 / chunks)
-  return exposed + max(0.0, hidden - window) + share * min(hidden, window)
+  rs_c, ag_c = rs / chunks, ag / chunks
+  late = (chunks - 1) * (max(0.0, rs_c - rs_window) + max(0.0, ag_c - ag_window))
+  exposed = rs_c + max(0.0, ag_c - prefetch_window) + late
+  hidden = (rs + ag) * (1.0 - 1.0 / chunks) - late
+  return exposed + share * hidden
 
 
 def _predict_with(model, layout, tech, recompute, hw, c, dtype, memory):
@@ -105,19 +133,21 @@ def _predict_with(model, layout, tech, recompute, hw, c, dtype, memory):
   # asynchronous transfers hide behind the next chunk; only the pipeline fill and drain wait.
   pp_per_mb = 0.0 if (tech.pp_overlap or p == 1) else 2 * v * hop
   stage_s = slowest.total + pp_per_mb
-  # Idle ticks of the schedule table (parallel/schedule.py); a tick is one chunk's forward or
-  # backward, half of a micro-batch's time through one of the v chunks.
-  bubble = schedule.megatron_summary(p, v, m)[0] * stage_s / (2 * v)
-  if tech.pp_overlap:
-    bubble += 2 * (p - 1) * hop
+  bubble = bubble_time(layout, stage_s, hop, tech.pp_overlap)
   steady = m * stage_s
 
   host_iter = 0.0 if tech.async_data else c.host_per_iteration_s
   data = host_iter + (0.0 if tech.async_data else m * c.host_per_micro_batch_s)
 
   rs, ag = dp_times(model, layout, hw, c)
+  # Collectives go by model chunk (by layer without interleaving). A chunk's window is the
+  # ticks of its neighbour chunk for one micro-batch group: pp micro-batches when
+  # interleaved (Megatron-LM's groups), one without; a forward is a third of a tick pair.
   chunks = v if v > 1 else max(1, model.num_layers // p)
-  dp = dp_exposure(rs, ag, chunks, tech.dp_overlap, steady + bubble, host_iter,
+  group = p if v > 1 else 1
+  tick_pair = stage_s / chunks
+  dp = dp_exposure(rs, ag, chunks, tech.dp_overlap, group * tick_pair / 3,
+                   group * 2 * tick_pair / 3, host_iter,
                    comm.sm_share(hw, c)) + embedding_sync_time(model, layout, hw, c)
 
   n_shard = params_per_device(model, layout) / layout.dp
