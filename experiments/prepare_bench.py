@@ -8,7 +8,8 @@ real text that ships with the machine, once per thread count of the tokenizer's 
 fresh process, as `RAYON_NUM_THREADS` is read once; 0: all cores), and records for each: the
 seconds of tokenizer training and of encoding, MB/s of UTF-8 text and tokens/s for the whole
 step and for encoding alone, and the child's peak resident memory (the step streams, so it
-should not grow with the corpus). The record names the CPU and its core count.
+should not grow with the corpus). The record names the CPU and its core count, and the load
+average around each run (other processes on a shared machine slow it down).
 """
 import json
 import os
@@ -76,6 +77,7 @@ def main(argv):
     env.pop("RAYON_NUM_THREADS", None)
     if threads:
       env["RAYON_NUM_THREADS"] = str(threads)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="prepare-bench-") as out:
       command = [sys.executable, "-m", "experiments.prepare_bench", "--child", f"--out={out}",
                  f"--input={_input()}", f"--glob={_GLOB.value}",
@@ -85,12 +87,15 @@ def main(argv):
       child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if child.returncode:
       sys.exit(f"child failed:\n{child.stderr[-3000:]}")
-    row = {"threads": threads or os.cpu_count(), **json.loads(child.stdout.splitlines()[-1])}
+    # The 1-minute load average around the run: on a shared machine, others' work shows here.
+    row = {"threads": threads or os.cpu_count(), **json.loads(child.stdout.splitlines()[-1]),
+           "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
     rows.append(row)
     print(f"  {row['text_mb']:.1f} MB, {row['documents']:,} documents -> {row['tokens']:,} "
           f"tokens: tokenizer {row['tokenizer_s']:.1f} s, encode {row['encode_s']:.1f} s "
           f"({row['encode_mb_per_s']:.2f} MB/s, {row['encode_tokens_per_s']:,.0f} tok/s); "
-          f"whole step {row['mb_per_s']:.2f} MB/s; peak RSS {row['peak_rss_mb']:.0f} MB",
+          f"whole step {row['mb_per_s']:.2f} MB/s; peak RSS {row['peak_rss_mb']:.0f} MB; load "
+          f"average {row['load_average_before']:.1f} -> {row['load_average_after']:.1f}",
           flush=True)
   device = {"platform": "cpu", "cpu": _cpu_name(), "host_cpu_count": os.cpu_count(),
             "python_version": platform.python_version()}
