@@ -2,15 +2,18 @@ r"""Throughput of the prepare step (MB of text per second) on this machine -> re
 
   python -m experiments.prepare_bench                       # the stdlib sources, BPE 4,096
   python -m experiments.prepare_bench --threads=1,2,0 --vocab_size=8192
+  python -m experiments.prepare_bench --threads=0 --copies=1,4   # memory as the corpus grows
 
 Runs `mscale_jax.text.prepare` end to end (read, train byte-level BPE, encode, write, hash) on
 real text that ships with the machine, once per thread count of the tokenizer's pool (each in a
 fresh process, as `RAYON_NUM_THREADS` is read once; 0: all cores), and records for each: the
 seconds of tokenizer training and of encoding, MB/s of UTF-8 text and tokens/s for the whole
-step and for encoding alone, and the child's peak resident memory (the step streams, so it
-should not grow with the corpus). The record names the CPU and its core count, and the load
+step and for encoding alone, and the child's peak resident memory. `--copies=N` reads the input
+N times over (N times the text, the same vocabulary): the step streams, so its peak memory
+should not grow with N. The record names the CPU and its core count, and the load
 average around each run (other processes on a shared machine slow it down).
 """
+import itertools
 import json
 import os
 import platform
@@ -29,6 +32,8 @@ _GLOB = flags.DEFINE_string("glob", "*.py", "File name pattern within --input.")
 _VOCAB = flags.DEFINE_integer("vocab_size", 4096, "BPE vocabulary to train.")
 _THREADS = flags.DEFINE_list("threads", ["1", "0"], "Tokenizer thread counts to measure "
                              "(0: all cores).")
+_COPIES = flags.DEFINE_list("copies", ["1"], "How many times over to read the input (a larger "
+                            "corpus of the same text).")
 _CHILD = flags.DEFINE_bool("child", False, "Internal: run once in this process, print JSON.")
 _OUT = flags.DEFINE_string("out", None, "Internal: the child's output folder.")
 
@@ -44,7 +49,7 @@ def measure_once(out: str) -> dict:
   """One prepare run in this process: its figures."""
   from mscale_jax.text import prepare, sources
   result = prepare.prepare(
-      [_input()], out, prepare.PrepareOptions(vocab_size=_VOCAB.value, heldout_fraction=0.01,
+      [_input()] * int(_COPIES.value[0]), out, prepare.PrepareOptions(vocab_size=_VOCAB.value, heldout_fraction=0.01,
                                               overwrite=True),
       sources.ReadOptions(glob=_GLOB.value, exclude=("site-packages", "dist-packages")),
       show_progress=False)
@@ -72,7 +77,7 @@ def main(argv):
     print(json.dumps(measure_once(_OUT.value)))
     return
   rows = []
-  for threads in map(int, _THREADS.value):
+  for threads, copies in itertools.product(map(int, _THREADS.value), map(int, _COPIES.value)):
     env = dict(os.environ)
     env.pop("RAYON_NUM_THREADS", None)
     if threads:
@@ -81,14 +86,14 @@ def main(argv):
     with tempfile.TemporaryDirectory(prefix="prepare-bench-") as out:
       command = [sys.executable, "-m", "experiments.prepare_bench", "--child", f"--out={out}",
                  f"--input={_input()}", f"--glob={_GLOB.value}",
-                 f"--vocab_size={_VOCAB.value}"]
-      print(f"[prepare_bench] threads={threads or 'all'}: {' '.join(command[1:4])} ...",
-            flush=True)
+                 f"--vocab_size={_VOCAB.value}", f"--copies={copies}"]
+      print(f"[prepare_bench] threads={threads or 'all'}, copies={copies} ...", flush=True)
       child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if child.returncode:
       sys.exit(f"child failed:\n{child.stderr[-3000:]}")
     # The 1-minute load average around the run: on a shared machine, others' work shows here.
-    row = {"threads": threads or os.cpu_count(), **json.loads(child.stdout.splitlines()[-1]),
+    row = {"threads": threads or os.cpu_count(), "copies": copies,
+           **json.loads(child.stdout.splitlines()[-1]),
            "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
     rows.append(row)
     print(f"  {row['text_mb']:.1f} MB, {row['documents']:,} documents -> {row['tokens']:,} "
