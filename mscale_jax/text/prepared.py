@@ -11,7 +11,9 @@ manifest lists is checked against its size and SHA-256 before a run uses it.
 """
 import hashlib
 import json
+import logging
 import os
+import time
 
 import numpy as np
 
@@ -22,6 +24,8 @@ FORMAT = "mscale_jax.prepared/1"
 SPLITS = ("train", "heldout")
 TOKEN_DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}   # dtype -> how many ids it holds
 _CHUNK = 8 << 20
+
+log = logging.getLogger("mscale_jax")
 
 
 def sha256_file(path: str) -> str:
@@ -67,6 +71,7 @@ def verify(folder: str, manifest: dict, *, field: str = "data.path") -> None:
   Raises:
     ConfigError: a file is missing, or its size or checksum differs (naming which).
   """
+  start, total = time.perf_counter(), 0
   for name, entry in files_of(manifest).items():
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
@@ -81,6 +86,9 @@ def verify(folder: str, manifest: dict, *, field: str = "data.path") -> None:
       raise ConfigError(field, folder, f"files that match the manifest: the SHA-256 of {name} "
                         f"is {actual[:16]}..., the manifest says {entry['sha256'][:16]}... "
                         f"(re-run the prepare step)")
+    total += size
+  log.info("checked %.1f MB in %s against its manifest in %.1f s", total / 1e6, folder,
+           time.perf_counter() - start)
 
 
 def load(folder: str, vocab_size: int) -> tuple[dict, np.ndarray, np.ndarray]:

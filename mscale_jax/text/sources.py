@@ -226,9 +226,19 @@ def _string_column(names, field: str, where: str) -> None:
                       f"{list(names)}")
 
 
+def _optional(module: str, path: str):
+  """Imports a reader's library (the `data` extra), or says how to install it."""
+  import importlib
+  try:
+    return importlib.import_module(module)
+  except ImportError:
+    raise ConfigError("--input", path, f"an input whose reader is installed: {module} is "
+                      f"missing (pip install 'mscale-jax[data]')") from None
+
+
 def _parquet_file(path, options, stat):
-  import pyarrow as pa
-  import pyarrow.parquet as pq
+  pa = _optional("pyarrow", path)
+  pq = _optional("pyarrow.parquet", path)
   field = options.text_field
   try:
     table = pq.ParquetFile(path)
@@ -247,7 +257,7 @@ def _parquet_file(path, options, stat):
 def _saved_dataset(path, options, stat):
   os.environ.setdefault("HF_DATASETS_OFFLINE", "1")     # a saved dataset needs no network
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
-  import datasets
+  datasets = _optional("datasets", path)
   try:
     dataset = datasets.load_from_disk(path)
   except (OSError, ValueError, FileNotFoundError) as e:
