@@ -5,6 +5,7 @@ The corpus is built so that every letter says which document it came from (docum
 written only in the letters chr(97 + i) and chr(65 + i), with spaces and newlines), so any
 token's text names its document, whatever the trained tokenizer merged.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -164,6 +165,8 @@ def test_resume_on_prepared_data_is_exact(labelled, tiny_config, tmp_path):
   recorded = tmp_path / "resumed" / "data"
   assert (recorded / "tokenizer.json").read_bytes() == open(
       os.path.join(out, "tokenizer.json"), "rb").read()
+  assert json.loads((recorded / "manifest.json").read_text()) == dict(manifest,
+                                                                     prepared_folder=out)
   result = _run("experiments.sample", f"--workdir={tmp_path / 'resumed'}", "--prompt=aA a",
                 "--max_new_tokens=6", "--temperature=0")
   assert result.returncode == 0, result.stderr[-3000:]

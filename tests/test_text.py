@@ -133,6 +133,17 @@ def test_invalid_utf8_is_skipped_and_counted_or_fails(tmp_path):
                     show_progress=False)
 
 
+def test_an_output_folder_inside_the_input_is_not_read_back(tmp_path):
+  for i, text in enumerate(_documents(6, seed=7)):
+    (tmp_path / f"doc{i}.md").write_text(text)
+  options = prepare.PrepareOptions(vocab_size=270, heldout_fraction=0.3, seed=0, overwrite=True)
+  run = lambda: prepare.prepare([str(tmp_path)], str(tmp_path / "out"), options,
+                                show_progress=False).manifest
+  first, again = run(), run()                         # the second run sees out/ in the input
+  assert first["documents"] == again["documents"] == 6
+  assert first["splits"] == again["splits"]
+
+
 def test_checksums_catch_a_changed_file(corpus, tmp_path):
   import shutil
   _, _, out, manifest = corpus

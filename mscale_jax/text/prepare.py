@@ -71,7 +71,7 @@ def prepare(inputs: list[str], out: str, options: PrepareOptions,
   """
   start = time.perf_counter()
   _check_options(options)
-  found = sources.find_inputs(inputs, read)
+  found = sources.find_inputs(inputs, read, skip=out)
   _claim_folder(out, options.overwrite)
   tokenizer = _tokenizer(found, read, options, show_progress)
   tokenizer_s = time.perf_counter() - start
@@ -309,5 +309,5 @@ def _manifest(tokenizer: BPETokenizer, tokenizer_path: str, dtype: str, splits: 
       "sources": [dataclasses.asdict(s) for s in stats],
       "skipped": {"invalid_utf8": sum(s.skipped_invalid_utf8 for s in stats),
                   "empty": sum(s.skipped_empty for s in stats)},
-      "read_options": dataclasses.asdict(read),
+      "read_options": {**dataclasses.asdict(read), "exclude": list(read.exclude)},
   }

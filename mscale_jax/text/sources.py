@@ -68,8 +68,9 @@ class Input:
     return InputStats(self.path, "+".join(formats), len(self.files))
 
 
-def find_inputs(paths, options: ReadOptions) -> list[Input]:
-  """The inputs' files, in reading order.
+def find_inputs(paths, options: ReadOptions, *, skip: str | None = None) -> list[Input]:
+  """The inputs' files, in reading order; none under the folder `skip` (the output folder,
+  so a prepared folder inside an input folder is never read as documents).
 
   Raises:
     ConfigError: no path given, a path that does not exist, a folder with no matching file,
@@ -90,7 +91,7 @@ def find_inputs(paths, options: ReadOptions) -> list[Input]:
       inputs.append(Input(full, ((full, "hf"),)))
       continue
     if os.path.isdir(full):
-      names = _walk(full, options.glob, options.exclude)
+      names = _walk(full, options.glob, options.exclude, skip)
       if not names:
         raise ConfigError("--input", path, f"a folder with files matching "
                           f"--glob={options.glob!r} (it has none)")
@@ -116,11 +117,14 @@ def _is_saved_dataset(path: str) -> bool:
   return exists("dataset_dict.json") or (exists("state.json") and exists("dataset_info.json"))
 
 
-def _walk(folder: str, pattern: str, exclude: tuple[str, ...]) -> list[str]:
+def _walk(folder: str, pattern: str, exclude: tuple[str, ...], skip_folder: str | None
+          ) -> list[str]:
   skip = lambda name: name.startswith(".") or any(fnmatch.fnmatch(name, p) for p in exclude)
+  skip_folder = os.path.abspath(skip_folder) if skip_folder else None
   found = []
   for parent, dirs, files in os.walk(folder):
-    dirs[:] = [d for d in dirs if d not in _SKIPPED_DIRS and not skip(d)]
+    dirs[:] = [d for d in dirs if d not in _SKIPPED_DIRS and not skip(d)
+               and os.path.join(parent, d) != skip_folder]
     found += [os.path.relpath(os.path.join(parent, f), folder) for f in files
               if fnmatch.fnmatch(f, pattern) and not skip(f)]
   return sorted(found)
