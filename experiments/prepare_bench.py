@@ -11,7 +11,9 @@ seconds of tokenizer training and of encoding, MB/s of UTF-8 text and tokens/s f
 step and for encoding alone, and the child's peak resident memory. `--copies=N` reads the input
 N times over (N times the text, the same vocabulary): the step streams, so its peak memory
 should not grow with N. The record names the CPU and its core count, and the load
-average around each run (other processes on a shared machine slow it down).
+average around each run (other processes on a shared machine slow it down) and the CPU
+seconds the run used (all threads): MB per CPU second depends much less on that load than MB
+per wall second does.
 """
 import itertools
 import json
@@ -48,19 +50,21 @@ def _input() -> str:
 def measure_once(out: str) -> dict:
   """One prepare run in this process: its figures."""
   from mscale_jax.text import prepare, sources
-  result = prepare.prepare(
-      [_input()] * int(_COPIES.value[0]), out, prepare.PrepareOptions(vocab_size=_VOCAB.value, heldout_fraction=0.01,
-                                              overwrite=True),
-      sources.ReadOptions(glob=_GLOB.value, exclude=("site-packages", "dist-packages")),
-      show_progress=False)
+  options = prepare.PrepareOptions(vocab_size=_VOCAB.value, heldout_fraction=0.01,
+                                   overwrite=True)
+  read = sources.ReadOptions(glob=_GLOB.value, exclude=("site-packages", "dist-packages"))
+  result = prepare.prepare([_input()] * int(_COPIES.value[0]), out, options, read,
+                           show_progress=False)
   m = result.manifest
   mb = m["text_bytes"] / 1e6
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  cpu_s = usage.ru_utime + usage.ru_stime          # all threads, imports included
   return {"documents": m["documents"], "text_mb": mb, "tokens": m["tokens"],
-          "vocab_size": m["vocab_size"], "tokenizer_s": result.tokenizer_s,
+          "cpu_s": cpu_s, "mb_per_cpu_s": mb / cpu_s, "vocab_size": m["vocab_size"], "tokenizer_s": result.tokenizer_s,
           "encode_s": result.encode_s, "total_s": result.total_s,
           "mb_per_s": mb / result.total_s, "encode_mb_per_s": mb / result.encode_s,
           "encode_tokens_per_s": m["tokens"] / result.encode_s,
-          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+          "peak_rss_mb": usage.ru_maxrss / 1024}
 
 
 def _cpu_name() -> str:
@@ -99,8 +103,9 @@ def main(argv):
     print(f"  {row['text_mb']:.1f} MB, {row['documents']:,} documents -> {row['tokens']:,} "
           f"tokens: tokenizer {row['tokenizer_s']:.1f} s, encode {row['encode_s']:.1f} s "
           f"({row['encode_mb_per_s']:.2f} MB/s, {row['encode_tokens_per_s']:,.0f} tok/s); "
-          f"whole step {row['mb_per_s']:.2f} MB/s; peak RSS {row['peak_rss_mb']:.0f} MB; load "
-          f"average {row['load_average_before']:.1f} -> {row['load_average_after']:.1f}",
+          f"whole step {row['mb_per_s']:.2f} MB/s, {row['mb_per_cpu_s']:.2f} MB per CPU s; "
+          f"peak RSS {row['peak_rss_mb']:.0f} MB; load average "
+          f"{row['load_average_before']:.1f} -> {row['load_average_after']:.1f}",
           flush=True)
   device = {"platform": "cpu", "cpu": _cpu_name(), "host_cpu_count": os.cpu_count(),
             "python_version": platform.python_version()}
