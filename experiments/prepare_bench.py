@@ -60,8 +60,8 @@ def measure_once(out: str) -> dict:
   usage = resource.getrusage(resource.RUSAGE_SELF)
   cpu_s = usage.ru_utime + usage.ru_stime          # all threads, imports included
   return {"documents": m["documents"], "text_mb": mb, "tokens": m["tokens"],
-          "cpu_s": cpu_s, "mb_per_cpu_s": mb / cpu_s, "vocab_size": m["vocab_size"], "tokenizer_s": result.tokenizer_s,
-          "encode_s": result.encode_s, "total_s": result.total_s,
+          "cpu_s": cpu_s, "mb_per_cpu_s": mb / cpu_s, "vocab_size": m["vocab_size"],
+          "tokenizer_s": result.tokenizer_s, "encode_s": result.encode_s, "total_s": result.total_s,
           "mb_per_s": mb / result.total_s, "encode_mb_per_s": mb / result.encode_s,
           "encode_tokens_per_s": m["tokens"] / result.encode_s,
           "peak_rss_mb": usage.ru_maxrss / 1024}
