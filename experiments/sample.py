@@ -6,11 +6,13 @@ r"""Text from a checkpoint: continue a prompt with the trained model, using a ke
   python -m experiments.sample --workdir=RUN --prompt="17 4 250" --tokenizer=ids
 
 Loads the newest checkpoint in WORKDIR/checkpoints (or --step) onto one local device, whatever
-mesh it was trained on. Runs on the byte-level stdlib corpus use the byte tokenizer: the prompt
-is read as the start of a file (the file separator comes first) and generation stops at the
-end of a file; other runs take and print token ids. Generated text goes to stdout, what was
-loaded and how fast it ran to stderr. A missing workdir or checkpoint, or a prompt outside the
-model's vocabulary, prints one line and exits with status 2.
+mesh it was trained on. Text goes through the run's tokenizer: for a run on prepared data the
+tokenizer it recorded (WORKDIR/data/tokenizer.json, else the one at its data.path), for the
+stdlib corpus bytes. The prompt is read as the start of a document (the end-of-document token
+comes first) and generation stops at the end of a document. Runs on other data take and print
+token ids. Generated text goes to stdout, what was loaded and how fast it ran to stderr. A
+missing workdir or checkpoint, or a prompt outside the model's vocabulary, prints one line and
+exits with status 2.
 """
 import os
 import sys
@@ -24,34 +26,42 @@ from mscale_jax.errors import ConfigError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder written by experiments/train.py "
                                "(or one run of experiments/convergence.py).", required=True)
-_PROMPT = flags.DEFINE_string("prompt", "", "Text to continue (byte tokenizer), or token ids "
-                              "separated by spaces or commas (--tokenizer=ids).")
+_PROMPT = flags.DEFINE_string("prompt", "", "Text to continue, or token ids separated by "
+                              "spaces or commas (--tokenizer=ids).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 100, "How many tokens to generate at most.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 is greedy "
                                   "(deterministic).")
 _TOP_K = flags.DEFINE_integer("top_k", 40, "Sample among the k most likely tokens; 0: all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed of the sampling.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
-_TOKENIZER = flags.DEFINE_enum("tokenizer", "auto", ["auto", "bytes", "ids"], "auto: bytes "
-                               "for stdlib-corpus runs, token ids otherwise.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "auto", "auto: the run's own (prepared data: "
+                                 "its BPE tokenizer; stdlib: bytes; other data: token ids), or "
+                                 "'bytes', 'ids', or the path of a tokenizer.json.")
 
 
-def use_bytes(meta: dict, vocab_size: int) -> bool:
-  """Whether the run's tokens are bytes: its data kind (saved with the checkpoint) is stdlib.
+def run_tokenizer(workdir: str, meta: dict, vocab_size: int):
+  """The tokenizer to read the prompt and write the text with; None for token ids.
 
-  Checkpoints written before the data config was saved fall back to vocab_size == 256.
+  Checkpoints written before the data config was saved count as bytes if vocab_size == 256.
   """
-  if _TOKENIZER.value != "auto":
-    return _TOKENIZER.value == "bytes"
-  kind = meta.get("data", {}).get("kind")
-  return kind == "stdlib" if kind is not None else vocab_size == 256
+  from mscale_jax import data
+  from mscale_jax.text.tokenizer import BPETokenizer, ByteTokenizer
+  choice = _TOKENIZER.value
+  if choice == "ids":
+    return None
+  if choice == "bytes":
+    return ByteTokenizer(data.SEPARATOR)
+  if choice != "auto":
+    return BPETokenizer.from_file(choice)
+  if "data" not in meta:
+    return ByteTokenizer(data.SEPARATOR) if vocab_size == 256 else None
+  return data.run_tokenizer(workdir, meta["data"])
 
 
-def encode(prompt: str, as_bytes: bool) -> list[int]:
-  """The prompt's tokens: the file separator then its UTF-8 bytes, or its listed token ids."""
-  from mscale_jax.data import SEPARATOR
-  if as_bytes:
-    return [SEPARATOR] + list(prompt.encode("utf-8"))
+def encode(prompt: str, tokenizer) -> list[int]:
+  """The prompt's tokens: the end-of-document token then the text's, or its listed ids."""
+  if tokenizer is not None:
+    return [tokenizer.eod] + tokenizer.encode(prompt)
   try:
     return [int(t) for t in prompt.replace(",", " ").split()]
   except ValueError:
@@ -72,30 +82,30 @@ def main(argv):
                         "checkpoints/ (none there)")
     from mscale_jax import generate
     config, params, step, meta = generate.restore_params(checkpoints, _STEP.value)
-    as_bytes = use_bytes(meta, config.vocab_size)
-    prompt = encode(_PROMPT.value, as_bytes)
+    tokenizer = run_tokenizer(workdir, meta, config.vocab_size)
+    prompt = encode(_PROMPT.value, tokenizer)
     top_k = _TOP_K.value or None
     generate.check_request(config, np.asarray(prompt), _MAX_NEW.value,
                            _TEMPERATURE.value, top_k)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  from mscale_jax.data import SEPARATOR, decode
   start = time.perf_counter()
   out = generate.generate(config, params, prompt, max_new_tokens=_MAX_NEW.value,
                           temperature=_TEMPERATURE.value, top_k=top_k, seed=_SEED.value,
-                          stop_token=SEPARATOR if as_bytes else None)
+                          stop_token=tokenizer.eod if tokenizer is not None else None)
   seconds = time.perf_counter() - start
   new = out.tokens[len(prompt):]
   print(f"[sample] {workdir} step {step}: {config.num_layers} layers, d={config.hidden}, "
         f"{config.block} block, window {config.attention_window}; {new.size} new tokens in "
         f"{seconds:.1f} s (compilation included), temperature {_TEMPERATURE.value}, top_k "
-        f"{top_k or 'all'}", file=sys.stderr)
-  if as_bytes:
-    text = out.tokens[1:]                              # without the leading separator
-    if text.size and text[-1] == SEPARATOR:
+        f"{top_k or 'all'}; tokenizer: {tokenizer.description if tokenizer else 'token ids'}",
+        file=sys.stderr)
+  if tokenizer is not None:
+    text = out.tokens[1:]                              # without the leading end-of-document
+    if text.size and text[-1] == tokenizer.eod:
       text = text[:-1]
-    print(decode(text))
+    print(tokenizer.decode(text))
   else:
     print(" ".join(map(str, out.tokens.tolist())))
 

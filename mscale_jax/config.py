@@ -20,7 +20,8 @@ TP_COMMS = ("xla", "ppermute", "pallas")
 REMATS = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16")
 OPTIMIZERS = ("adamw", "lamb", "lamb_fused")
-DATA_KINDS = ("stdlib", "tokens", "synthetic")
+DATA_KINDS = ("stdlib", "tokens", "synthetic", "prepared")
+DOCUMENT_KINDS = ("stdlib", "prepared")   # corpora with an end-of-document token
 TOKEN_DTYPES = ("uint16", "uint32")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")   # parallel/schedule.py
@@ -135,13 +136,22 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where tokens come from (read by `data.py`)."""
+  """Where tokens come from (read by `data.py`).
+
+  kind='prepared' reads a folder written by `experiments/prepare_data.py`: its manifest gives
+  the tokenizer, the token files and the held-out documents (heldout_fraction and token_dtype
+  are then the manifest's, not these fields').
+  """
   kind: str = "stdlib"               # stdlib: this machine's Python standard library source
-  path: str | None = None            # token file for kind='tokens'; source folder for 'stdlib'
+  path: str | None = None            # token file ('tokens'), source folder ('stdlib') or
+                                     # prepared folder ('prepared')
   token_dtype: str = "uint16"
   heldout_fraction: float = 0.02
   seed: int = 0
   prefetch: int = 2                  # batches prepared ahead of the step (background thread)
+  # True: a token attends only to earlier tokens of its own document (segment ids from the
+  # end-of-document tokens, as MaxText packs); False: windows attend across documents.
+  document_mask: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +287,9 @@ def validate(config: Config, num_devices: int, *,
   _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
   if d.kind == "tokens" and not d.path:
     raise ConfigError("data.path", d.path, "a token file is required when data.kind='tokens'")
+  if d.kind == "prepared" and not d.path:
+    raise ConfigError("data.path", d.path, "a folder written by experiments/prepare_data.py "
+                      "is required when data.kind='prepared'")
   if not 0.0 < d.heldout_fraction < 1.0:
     raise ConfigError("data.heldout_fraction", d.heldout_fraction, "a fraction in (0, 1)")
   _choice("train.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
@@ -308,6 +321,7 @@ def validate(config: Config, num_devices: int, *,
     raise ConfigError("train.global_batch", t.global_batch,
                       f"must be divisible by mesh.data*mesh.fsdp={batch_shards}")
   microbatches = _check_pipeline(config, mesh)
+  _check_document_mask(config, mesh)
   if m.tp_comm == "pallas":
     # The ring kernel moves whole row tiles: 8 rows of float32, 16 of bfloat16 per device.
     rows = t.global_batch // batch_shards // microbatches * m.seq_len // tp
@@ -352,6 +366,26 @@ def _check_pipeline(config: Config, mesh: dict[str, int]) -> int:
                       f"must divide each data shard's batch, train.global_batch / "
                       f"(mesh.data * mesh.fsdp) = {per_shard}")
   return p.microbatches
+
+
+def _check_document_mask(config: Config, mesh: dict[str, int]) -> None:
+  """data.document_mask needs document boundaries and an attention path that takes segments."""
+  d, m = config.data, config.model
+  if not isinstance(d.document_mask, bool):
+    raise ConfigError("data.document_mask", d.document_mask, "True or False")
+  if not d.document_mask:
+    return
+  if d.kind not in DOCUMENT_KINDS:
+    raise ConfigError("data.document_mask", True, f"False with data.kind={d.kind!r}, which has "
+                      f"no document boundaries; True needs one of {', '.join(DOCUMENT_KINDS)}")
+  if m.attention_impl != "xla":
+    raise ConfigError("model.attention_impl", m.attention_impl,
+                      "'xla' with data.document_mask=True: the flash-attention kernels take "
+                      "no segment ids")
+  if mesh["stage"] > 1:
+    raise ConfigError("mesh.stage", mesh["stage"],
+                      "1 with data.document_mask=True: the pipeline executor does not carry "
+                      "segment ids between stages")
 
 
 def profile_window(spec: str, steps: int) -> tuple[int, int] | None:

@@ -1,6 +1,6 @@
 """Token corpora and grain input pipelines: one loader per host, prefetched, checkpointable.
 
-Three corpus kinds (`DataConfig.kind`):
+Four corpus kinds (`DataConfig.kind`):
   stdlib     this machine's Python standard library source (offline, real text), byte tokens
              (vocab 256: token = byte value). Files are read in sorted relative-path order and
              each is followed by `SEPARATOR`. Held out: every Nth file by that order,
@@ -9,6 +9,9 @@ Three corpus kinds (`DataConfig.kind`):
              heldout_fraction of the stream.
   synthetic  uniform random tokens from a generator with a fixed seed (`SYNTHETIC_SEED`), so
              the data and its held-out tail are the same for every `data.seed`.
+  prepared   a folder written by `experiments/prepare_data.py` (`mscale_jax.text`): token files
+             memory-mapped after their checksums are checked, the tokenizer's end-of-document
+             token after every document; the held-out documents are the manifest's.
 
 Training examples are non-overlapping windows of seq_len + 1 tokens on a fixed grid
 (window k starts at token k * seq_len, so neighbouring windows share one boundary token and
@@ -17,10 +20,18 @@ from `seed`, reshuffles each epoch (grain's shuffle uses seed + epoch), repeats 
 batches `global_batch` windows per step. Each process keeps its own rows of every global batch
 (process i of n: rows [i * local, (i + 1) * local)), so the union over processes is exactly the
 global batch and the iterator state (the global step) is the same on every process.
+
+With `data.document_mask` (corpora with document boundaries: stdlib, prepared) every batch also
+holds 'segment_ids', int32 [b, seq_len]: the number of end-of-document tokens at or before each
+input position within its window. A document's end-of-document token thus opens the next
+segment, like a beginning-of-sequence token: the last token of a document still predicts the
+end, and the model's attention (`segment_ids` in `mscale_jax.attention`) never crosses into
+another document.
 """
 import dataclasses
 import logging
 import os
+import shutil
 import sysconfig
 from typing import Any, Iterator
 
@@ -28,6 +39,9 @@ import grain
 import numpy as np
 
 from mscale_jax.errors import ConfigError
+from mscale_jax.files import write_json
+from mscale_jax.text import prepared
+from mscale_jax.text.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
 SEPARATOR = 0                  # byte token after every stdlib file (NUL never occurs in source)
 SYNTHETIC_SEED = 0x5EED        # the synthetic corpus does not depend on data.seed
@@ -41,11 +55,25 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-  """A tokenised corpus: 1-D `train` and `heldout` token arrays (memmaps for kind='tokens')."""
+  """A tokenised corpus: 1-D `train` and `heldout` token arrays (memmaps for files).
+
+  `eod` is the end-of-document token where the corpus has documents (None: a plain stream);
+  `document_mask` asks the batches for segment ids; `folder` and `manifest` name a prepared
+  corpus's source (recorded with a run, and checked when it resumes).
+  """
   train: np.ndarray
   heldout: np.ndarray
   description: str
   kind: str = "stdlib"
+  eod: int | None = None
+  document_mask: bool = False
+  folder: str | None = None
+  manifest: dict | None = None
+
+  @property
+  def fingerprint(self) -> str | None:
+    """The prepared corpus's identity (its training file's SHA-256), or None."""
+    return self.manifest["splits"]["train"]["sha256"] if self.manifest else None
 
 
 def load_corpus(config, vocab_size: int, *, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -70,10 +98,42 @@ def load_corpus(config, vocab_size: int, *, max_bytes: int = DEFAULT_MAX_BYTES,
                               vocab_size)
   elif config.kind == "synthetic":
     corpus = _make_synthetic(synthetic_tokens, config.heldout_fraction, vocab_size)
+  elif config.kind == "prepared":
+    corpus = _load_prepared(config.path, vocab_size)
   else:
-    raise ConfigError("data.kind", config.kind, "one of 'stdlib', 'tokens', 'synthetic'")
+    raise ConfigError("data.kind", config.kind,
+                      "one of 'stdlib', 'tokens', 'synthetic', 'prepared'")
+  if config.document_mask:
+    if corpus.eod is None:
+      raise ConfigError("data.document_mask", True, f"False for data.kind={config.kind!r}, "
+                        f"which has no document boundaries")
+    corpus = dataclasses.replace(corpus, document_mask=True)
   log.info("corpus %s", corpus.description)
   return corpus
+
+
+def _load_prepared(path, vocab_size) -> Corpus:
+  folder = os.path.abspath(path) if path else path
+  manifest, train, heldout = prepared.load(folder, vocab_size)
+  return Corpus(train, heldout, prepared.describe(folder, manifest), kind="prepared",
+                eod=manifest["eod_id"], folder=folder, manifest=manifest)
+
+
+def record_corpus(corpus: Corpus, workdir: str) -> None:
+  """Copies a prepared corpus's manifest and tokenizer to WORKDIR/data/ (no-op for others).
+
+  So a run names what it trained on (with the checksums), and `experiments/sample.py` finds
+  the tokenizer even if the prepared folder moves. Call on one process.
+  """
+  if corpus.manifest is None:
+    return
+  folder = os.path.join(workdir, "data")
+  os.makedirs(folder, exist_ok=True)
+  target = os.path.join(folder, TOKENIZER_FILE)
+  shutil.copyfile(os.path.join(corpus.folder, TOKENIZER_FILE), target + ".tmp")
+  os.replace(target + ".tmp", target)
+  write_json(os.path.join(folder, prepared.MANIFEST_FILE),
+             {**corpus.manifest, "prepared_folder": corpus.folder}, indent=2)
 
 
 def stdlib_folder() -> str:
@@ -127,7 +187,35 @@ def _load_stdlib(path, heldout_fraction, vocab_size, max_bytes) -> Corpus:
   train_tokens, heldout_tokens = to_tokens(train), to_tokens(heldout)
   description = (f"stdlib: {num_files:,} files, {total / 1e6:.1f} MB from {folder}; held out "
                  f"every {every}th file ({len(heldout):,} files, {heldout_tokens.size:,} tokens)")
-  return Corpus(train_tokens, heldout_tokens, description, kind="stdlib")
+  return Corpus(train_tokens, heldout_tokens, description, kind="stdlib", eod=SEPARATOR)
+
+
+def run_tokenizer(workdir: str, data_meta: dict):
+  """The tokenizer a run trained with: its recorded prepared tokenizer (WORKDIR/data/), the
+  prepared folder's (`data_meta`: the run's saved data config), bytes for the stdlib corpus,
+  or None (token ids only).
+
+  Raises:
+    ConfigError: a prepared run whose tokenizer is neither in WORKDIR/data/ nor at data.path.
+  """
+  from mscale_jax.text.tokenizer import BPETokenizer
+  recorded = os.path.join(workdir, "data")
+  kind = data_meta.get("kind")
+  if os.path.isfile(os.path.join(recorded, TOKENIZER_FILE)):
+    folder = recorded
+  elif kind == "prepared":
+    folder = data_meta.get("path")
+    if not folder or not os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
+      raise ConfigError("--workdir", workdir, f"a run with its tokenizer in {recorded} or at "
+                        f"its data.path={folder!r} (neither has {TOKENIZER_FILE}); pass "
+                        f"--tokenizer=PATH/{TOKENIZER_FILE}")
+  elif kind == "stdlib":
+    return ByteTokenizer(SEPARATOR)
+  else:
+    return None
+  manifest = prepared.read_manifest(folder, field="--workdir")
+  return BPETokenizer.from_file(os.path.join(folder, TOKENIZER_FILE), manifest["eod_token"],
+                                field="--workdir")
 
 
 def _load_token_file(path, token_dtype, heldout_fraction, vocab_size) -> Corpus:
@@ -209,17 +297,22 @@ def _local_rows(batch: int, process_index: int, process_count: int, field: str) 
 
 
 class _Windows:
-  """Maps an array of window ids [b] to {'inputs', 'targets'}: int32 [b, seq_len]."""
+  """Maps an array of window ids [b] to {'inputs', 'targets'}: int32 [b, seq_len], plus
+  'segment_ids' (int32 [b, seq_len], see the module docstring) when `eod` is given."""
 
-  def __init__(self, tokens: np.ndarray, seq_len: int):
+  def __init__(self, tokens: np.ndarray, seq_len: int, eod: int | None = None):
     self._tokens = tokens
     self._seq_len = seq_len
+    self._eod = eod
     self._offsets = np.arange(seq_len + 1, dtype=np.int64)
 
   def __call__(self, window_ids) -> dict[str, np.ndarray]:
     starts = np.asarray(window_ids, dtype=np.int64) * self._seq_len
     rows = np.asarray(self._tokens[starts[:, None] + self._offsets], dtype=np.int32)
-    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+    batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+    if self._eod is not None:
+      batch["segment_ids"] = np.cumsum(batch["inputs"] == self._eod, axis=1, dtype=np.int32)
+    return batch
 
   def __repr__(self) -> str:
     return f"_Windows(seq_len={self._seq_len})"
@@ -245,7 +338,8 @@ class TrainIterator:
   """
 
   def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, seed: int,
-               process_index: int = 0, process_count: int = 1, prefetch: int = 2):
+               process_index: int = 0, process_count: int = 1, prefetch: int = 2,
+               segment_eod: int | None = None, corpus_id: str | None = None):
     self._windows = _check_windows(tokens, seq_len, "train")
     _positive("train.global_batch", global_batch)
     rows = _local_rows(global_batch, process_index, process_count, "train.global_batch")
@@ -254,12 +348,14 @@ class TrainIterator:
     self._fingerprint = {"seed": int(seed), "seq_len": int(seq_len),
                          "global_batch": int(global_batch),
                          "num_windows": self._windows}
+    if corpus_id is not None:      # a prepared corpus: resume only on the same token file
+      self._fingerprint["corpus"] = corpus_id
     dataset = (grain.MapDataset.range(self._windows)
                .shuffle(seed=shuffle_seed(seed))
                .repeat()
                .batch(global_batch, drop_remainder=True)
                .map(lambda ids: ids[rows])
-               .map(_Windows(tokens, seq_len)))
+               .map(_Windows(tokens, seq_len, segment_eod)))
     # grain's own prefetch: a thread pool computes the next `prefetch` batches in the
     # background while the caller's step runs; its state counts batches returned, not computed.
     read_options = grain.ReadOptions(num_threads=1 if prefetch else 0,
@@ -285,7 +381,8 @@ class TrainIterator:
     for key, value in self._fingerprint.items():
       if state.get(key) != value:
         field = {"seed": "data.seed", "seq_len": "model.seq_len",
-                 "global_batch": "train.global_batch", "num_windows": "data"}[key]
+                 "global_batch": "train.global_batch", "num_windows": "data",
+                 "corpus": "data.path"}[key]
         raise ConfigError(field, value, f"the saved data state was taken with {key}="
                           f"{state.get(key)!r}; resuming exactly needs the same")
     self._iterator.set_state({"next_index": int(state["step"])})
@@ -298,7 +395,8 @@ class TrainIterator:
 def make_train_iterator(corpus: Corpus, *, seq_len: int, global_batch: int, seed: int,
                         process_index: int = 0, process_count: int = 1,
                         prefetch: int = 2) -> TrainIterator:
-  """The training stream: this process's int32 [global_batch // process_count, seq_len] rows.
+  """The training stream: this process's int32 [global_batch // process_count, seq_len] rows
+  (with 'segment_ids' when the corpus asks for a document mask).
 
   Raises:
     ConfigError: the train split is shorter than seq_len + 1 tokens, or global_batch is not
@@ -306,7 +404,12 @@ def make_train_iterator(corpus: Corpus, *, seq_len: int, global_batch: int, seed
   """
   return TrainIterator(corpus.train, seq_len=seq_len, global_batch=global_batch, seed=seed,
                        process_index=process_index, process_count=process_count,
-                       prefetch=prefetch)
+                       prefetch=prefetch, segment_eod=_segment_eod(corpus),
+                       corpus_id=corpus.fingerprint)
+
+
+def _segment_eod(corpus: Corpus) -> int | None:
+  return corpus.eod if corpus.document_mask else None
 
 
 def make_eval_batches(corpus: Corpus, *, seq_len: int, batch_size: int, num_batches: int,
@@ -328,15 +431,10 @@ def make_eval_batches(corpus: Corpus, *, seq_len: int, batch_size: int, num_batc
     ids = np.arange(needed, dtype=np.int64) * count // needed
   else:
     ids = np.arange(needed, dtype=np.int64) % count
-  windows = _Windows(corpus.heldout, seq_len)
+  windows = _Windows(corpus.heldout, seq_len, _segment_eod(corpus))
   return [windows(batch[rows]) for batch in ids.reshape(num_batches, batch_size)]
 
 
 def decode(tokens) -> str:
   """Byte-tokenizer decoding of a 1-D token sequence; tokens outside 0..255 become U+FFFD."""
-  tokens = np.asarray(tokens).reshape(-1).astype(np.int64)
-  valid = (tokens >= 0) & (tokens < 256)
-  if valid.all():
-    return tokens.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
-  pieces = [bytes([t]) if ok else "\ufffd".encode() for t, ok in zip(tokens.tolist(), valid)]
-  return b"".join(pieces).decode("utf-8", errors="replace")
+  return ByteTokenizer(SEPARATOR).decode(tokens)

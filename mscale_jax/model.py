@@ -85,8 +85,11 @@ class Attention(nnx.Module):
       self.b_qkv = _param(rngs, (c.num_heads * 3 * c.head_dim,), ("heads",), std=None)
       self.b_o = _param(rngs, (c.hidden,), ("act_embed",), std=None)
 
-  def mix(self, qkv: jax.Array) -> jax.Array:
-    """[b, s, heads*3*head_dim] projections -> [b, s, heads*head_dim] attention output."""
+  def mix(self, qkv: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """[b, s, heads*3*head_dim] projections -> [b, s, heads*head_dim] attention output.
+
+    `segment_ids` (int [b, s]): attention stays within each segment (packed documents).
+    """
     c = self.config
     if c.use_bias:
       qkv = qkv + self.b_qkv[...].astype(qkv.dtype)
@@ -98,7 +101,8 @@ class Attention(nnx.Module):
       return self._attend_cached(q, k, v).reshape(b, s, c.num_heads * c.head_dim)
     if c.positions == "rotary":
       q, k = rotary(q), rotary(k)
-    out = attention_lib.attention(q, k, v, window=c.attention_window, impl=c.attention_impl)
+    out = attention_lib.attention(q, k, v, window=c.attention_window, impl=c.attention_impl,
+                                  segment_ids=segment_ids)
     return out.reshape(b, s, c.num_heads * c.head_dim)
 
   # -- decoding (see `init_cache`; used by mscale_jax.generate) --------------------------------
@@ -190,30 +194,32 @@ class Block(nnx.Module):
     self.attn = Attention(config, rngs)
     self.mlp = MLP(config, rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """[b, s, d] -> [b, s, d]; sequence sharded over 'tensor' in and out."""
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """[b, s, d] -> [b, s, d]; sequence sharded over 'tensor' in and out. `segment_ids`
+    (int [b, s], optional) keep attention within packed documents."""
     if self.config.block == "parallel":
-      return self._parallel(x)
-    return self._sequential(x)
+      return self._parallel(x, segment_ids)
+    return self._sequential(x, segment_ids)
 
   def _kernel(self, param: nnx.Param) -> jax.Array:
     return param[...].astype(self.config.dtype)
 
-  def _parallel(self, x):
+  def _parallel(self, x, segment_ids):
     tp_comm = self.config.tp_comm
     h = self.norm(x)
     qkv, ffn = tp.gather_matmul(h, [self._kernel(self.attn.w_qkv), self._kernel(self.mlp.w_in)],
                                 tp_comm=tp_comm)
-    attn_out, ffn_out = self.attn.mix(qkv), self.mlp.activate(ffn)
+    attn_out, ffn_out = self.attn.mix(qkv, segment_ids), self.mlp.activate(ffn)
     y = tp.matmul_scatter([attn_out, ffn_out],
                           [self._kernel(self.attn.w_o), self._kernel(self.mlp.w_out)],
                           tp_comm=tp_comm)
     return x + y + self.attn.output_bias() + self.mlp.output_bias()
 
-  def _sequential(self, x):
+  def _sequential(self, x, segment_ids):
     tp_comm = self.config.tp_comm
     (qkv,) = tp.gather_matmul(self.norm(x), [self._kernel(self.attn.w_qkv)], tp_comm=tp_comm)
-    y = tp.matmul_scatter([self.attn.mix(qkv)], [self._kernel(self.attn.w_o)], tp_comm=tp_comm)
+    y = tp.matmul_scatter([self.attn.mix(qkv, segment_ids)], [self._kernel(self.attn.w_o)],
+                          tp_comm=tp_comm)
     x = x + y + self.attn.output_bias()
     (ffn,) = tp.gather_matmul(self.mlp_norm(x), [self._kernel(self.mlp.w_in)], tp_comm=tp_comm)
     y = tp.matmul_scatter([self.mlp.activate(ffn)], [self._kernel(self.mlp.w_out)],
@@ -254,9 +260,13 @@ class GPT(nnx.Module):
     if not c.tie_embeddings:
       self.unembed = _param(rngs, (c.hidden, c.vocab_size), ("embed", "vocab"))
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    """int [batch, seq] -> float32 logits [batch, seq, vocab], batch over (data, fsdp)."""
-    return self.head(self.run_blocks(self.embed_tokens(tokens)))
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """int [batch, seq] -> float32 logits [batch, seq, vocab], batch over (data, fsdp).
+
+    `segment_ids` (int [batch, seq], optional): a token attends only to earlier tokens of its
+    own segment (documents packed into one sequence; `data.document_mask`).
+    """
+    return self.head(self.run_blocks(self.embed_tokens(tokens), segment_ids))
 
   # The three parts separately, for pipelines that run them on different devices.
 
@@ -295,13 +305,13 @@ class GPT(nnx.Module):
         block.attn.init_cache(batch, capacity)
     self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
-  def run_blocks(self, x: jax.Array) -> jax.Array:
+  def run_blocks(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """Applies the stacked blocks in order (all of them, or the chunk the model was merged
-    with): [batch, seq, hidden] -> same."""
+    with): [batch, seq, hidden] -> same; `segment_ids` as in `__call__`."""
     c = self.config
 
     def apply(block: Block, x: jax.Array) -> jax.Array:
-      return constrain(block(x), RESIDUAL)
+      return constrain(block(x, segment_ids), RESIDUAL)
 
     if c.remat != "none":
       apply = nnx.remat(apply, policy=REMAT_POLICIES[c.remat])

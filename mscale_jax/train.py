@@ -49,9 +49,10 @@ def abstract_model(config: ModelConfig):
 
 
 def loss_fn(params, graphdef, batch) -> jax.Array:
-  """Mean next-token cross-entropy of `batch` {'inputs', 'targets': int32 [b, s]}."""
+  """Mean next-token cross-entropy of `batch` {'inputs', 'targets': int32 [b, s]} (and
+  'segment_ids' [b, s] under data.document_mask: attention stays within documents)."""
   model = nnx.merge(graphdef, params)
-  logits = model(batch["inputs"])
+  logits = model(batch["inputs"], batch.get("segment_ids"))
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
@@ -106,6 +107,8 @@ class Trainer:
     t = config.train
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                      keep=t.keep_checkpoints, async_save=t.async_checkpoint)
+    if jax.process_index() == 0:    # the tokenizer and manifest of a prepared corpus
+      data_lib.record_corpus(self.corpus, self.workdir)
     self.graphdef, abstract_params, names = abstract_model(config.model)
     self.num_params = count_params(abstract_params)
     param_shardings = mesh_lib.shardings_for(self.mesh, names)
