@@ -48,7 +48,7 @@ def pct(x: float) -> str:
   return f"{100 * x:.1f}%"
 
 
-# -- drill ------------------------------------------------------------------------------------------
+# -- drill ----------------------------------------------------------------------------------------
 def drill_section(pattern: str) -> tuple:
   """Replays every drill record; returns (markdown, figures, predictions)."""
   cases, errors = drill.read_all(pattern)
@@ -59,7 +59,8 @@ def drill_section(pattern: str) -> tuple:
            "uses the itemised costs alone; the prediction adds the fault-free run's residual "
            "time per step (evaluations, logging, shutdown: not itemised in these records).", "",
            "| record | faults | measured | events only | predicted | difference (points) | "
-           "steps lost: predicted / recorded | residual from |", "|---|---|---|---|---|---|---|---|"]
+           "steps lost: predicted / recorded | residual from |",
+           "|---|---|---|---|---|---|---|---|"]
   figures = []
   for p in preds:
     c = p.case
@@ -100,7 +101,7 @@ def drill_section(pattern: str) -> tuple:
                                    "unread": errors}, preds
 
 
-# -- calibration ------------------------------------------------------------------------------------
+# -- calibration ----------------------------------------------------------------------------------
 def best_of(make_job, seeds, hours: float, low: float, high: float, n: int) -> tuple:
   """(sweep, spread at the best interval)."""
   sweep = planning.sweep_intervals(make_job, planning.log_grid(low, high, n), seeds, hours)
@@ -125,7 +126,9 @@ def megascale_case(seeds) -> tuple:
            f"{pct(_q(rates, .95))}; above 90% in {100 * above:.0f}% of seeds), "
            f"{restarts:.0f} restarts per run, catch-up (restore + replay) at most "
            f"{max(catch_up) / 60:.1f} min. Every cost is at its published bound, so the "
-           f"simulated rate is a lower bound: consistent with the claim."]
+           f"simulated rate is a lower bound: "
+           + ("consistent with the claim." if statistics.fmean(rates) > 0.9 else
+              "below the claim.")]
   return lines, {"rate_mean": statistics.fmean(rates), "rate_p05": _q(rates, .05),
                  "rate_p95": _q(rates, .95), "share_above_90": above,
                  "restarts_mean": restarts, "catch_up_max_s": max(catch_up),
@@ -149,6 +152,7 @@ def llama3_case(seeds, u0_minutes=(1, 2, 5, 10, 15, 20, 30)) -> tuple:
                  "rate_p05": best.quantile(.05), "rate_p95": best.quantile(.95),
                  "hourly_rate_mean": hourly.mean})
   ok = [r["u0_min"] for r in rows if r["rate_p05"] > 0.9]
+  hourly = [r["u0_min"] for r in rows if r["hourly_rate_mean"] > 0.9]
   lines = [f"- **Llama 3** (claim: higher than 90%): 16,384 GPUs for 54 days with its 466 "
            f"interruptions by kind (Table 5; 47 planned, which lose no work). The report gives no "
            f"recovery time or checkpoint interval, so both were varied:", "",
@@ -158,8 +162,9 @@ def llama3_case(seeds, u0_minutes=(1, 2, 5, 10, 15, 20, 30)) -> tuple:
     lines.append(f"  | {r['u0_min']} | {r['best_interval_s'] / 60:.1f} | {pct(r['rate_mean'])} "
                  f"({pct(r['rate_p05'])}-{pct(r['rate_p95'])}) | {pct(r['hourly_rate_mean'])} |")
   lines += ["", f"  The claim holds (5th percentile above 90%) for u0 up to "
-            f"{max(ok) if ok else 'none'} min with checkpoints every few minutes, and at no u0 with "
-            f"hourly checkpoints; Kokolis et al. give u0 = 5-20 min on Meta's RSC clusters."]
+            f"{max(ok) if ok else 'none'} min with checkpoints every few minutes, and with "
+            f"hourly checkpoints for u0 up to {max(hourly) if hourly else 'none'} min; Kokolis "
+            f"et al. give u0 = 5-20 min on Meta's RSC clusters."]
   return lines, {"rows": rows, "claim_holds_up_to_u0_min": max(ok) if ok else None}
 
 
@@ -186,6 +191,11 @@ def rsc1_case(seeds) -> tuple:
   for name, _, _ in cases:
     cells = [pct(r["rate_mean"]) for r in rows if r["case"] == name]
     lines.append(f"  | {name} | " + " | ".join(cells) + " |")
+  near = [r["rate_mean"] for r in rows if r["case"] != cases[0][0] and r["u0_s"] <= 600]
+  lines += ["", f"  Either change brings u0 = 5-10 min runs to {pct(min(near))}-{pct(max(near))}, "
+            f"against the claim's ~90%; today's writes leave them at "
+            f"{pct(min(r['rate_mean'] for r in rows if r['case'] == cases[0][0]))}-"
+            f"{pct(max(r['rate_mean'] for r in rows if r['case'] == cases[0][0]))}."]
   return lines, {"rows": rows}
 
 
@@ -202,7 +212,7 @@ def calibration_section(seeds) -> tuple:
   return "\n".join(md) + "\n", figures
 
 
-# -- scale ---------------------------------------------------------------------------------------------
+# -- scale ----------------------------------------------------------------------------------------
 def scale_section(seeds, hours: float, gpu_counts) -> tuple:
   """Rate and best interval vs GPUs for two failure rates; returns (markdown, figures)."""
   rows = []
@@ -243,7 +253,7 @@ def scale_section(seeds, hours: float, gpu_counts) -> tuple:
   return "\n".join(lines) + "\n", {"rows": rows}
 
 
-# -- what-ifs ------------------------------------------------------------------------------------------
+# -- what-ifs -------------------------------------------------------------------------------------
 def what_if_section(seeds, hours: float, gpus: int = 12288) -> tuple:
   rows = []
   for name, policy in WHAT_IFS:
@@ -302,17 +312,16 @@ def _all_gpu_faults_hang(gpus, interval, seeds, hours) -> tuple:
 
 def goodput_line(pred, seeds=range(8)) -> str:
   """One line for experiments/plan.py: `pred`'s tokens/s with failures counted."""
-  from mscale_jax.perf.workload import GPT_175B
   adj = planning.adjusted_throughput(pred.layout.devices, pred.iteration_s,
                                      round(pred.tokens_per_s * pred.iteration_s), seeds=seeds,
-                                     state_scale=pred.model.num_params / GPT_175B.num_params)
+                                     num_params=pred.model.num_params)
   return (f"    goodput: {adj.tokens_per_s / 1e3:,.1f}k tokens/s x {pct(adj.rate)} effective "
           f"training time = {adj.goodput_tokens_per_s / 1e3:,.1f}k tokens per wall-clock second "
           f"(Llama 3 failure rates, MegaScale recovery, checkpoint every "
           f"{adj.interval_s / 60:.1f} min; mscale_jax.goodput)")
 
 
-# -- the run -----------------------------------------------------------------------------------------
+# -- the run --------------------------------------------------------------------------------------
 def define_flags() -> None:
   """Defines the CLI flags (only when run as a script, so importing defines none)."""
   flags.DEFINE_string("out_dir", "results/goodput", "Folder for the outputs.")

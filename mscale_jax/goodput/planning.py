@@ -68,12 +68,12 @@ class Adjusted:
 def adjusted_throughput(gpus: int, iteration_s: float, tokens_per_iteration: int,
                         seeds=range(8), hours: float = 30 * 24, rates: str = "llama3",
                         policy: presets.Policy = presets.BASELINE,
-                        state_scale: float = 1.0) -> Adjusted:
+                        num_params: int | None = None) -> Adjusted:
   """Tokens per wall-clock second including failures, for an iteration of `iteration_s` on
-  `gpus` GPUs under MegaScale's recovery costs (restore and persist times x `state_scale`, the
-  checkpoint's size over 175B's), checkpointing at `first_order_interval`."""
+  `gpus` GPUs of a model of `num_params` (175B if None) under MegaScale's recovery costs,
+  checkpointing at `first_order_interval`."""
   job = presets.megascale_job(gpus, rates=rates, policy=policy, iteration_s=iteration_s,
-                              state_scale=state_scale)
+                              num_params=num_params)
   interval = first_order_interval(job)
   job = dataclasses.replace(job, checkpointing=dataclasses.replace(job.checkpointing,
                                                                    every_s=interval))

@@ -69,22 +69,26 @@ ALL = Policy(warm_spares=int(value("warm_spares")), hang_s=value("minder.reactio
 
 def megascale_job(gpus: int, interval_s: float = 1800.0, rates: str = "llama3",
                   policy: Policy = BASELINE, iteration_s: float | None = None,
-                  state_scale: float = 1.0) -> Job:
-  """175B with all MegaScale techniques on `gpus` A100s, failing at `rates` ('llama3', 'rsc1'
-  or 'megascale'), recovering as MegaScale describes: self-checks within its 10-minute
-  detection-and-diagnosis bound, one reader per DP group restoring at ByteCheckpoint's measured
-  load speed, two-stage checkpoints every `interval_s`. The iteration time comes from
-  mscale_jax.perf for the paper's layout unless `iteration_s` is given; `state_scale` scales
-  the costs that grow with the checkpoint's size (restore, persist) for another model."""
+                  num_params: int | None = None) -> Job:
+  """175B (or a model of `num_params`) with every MegaScale technique on `gpus` A100s, failing
+  at `rates` ('llama3', 'rsc1' or 'megascale') and recovering as MegaScale describes: self-checks
+  within its 10-minute detection-and-diagnosis bound, a restart of process start, collective
+  initialisation and compilation, a restore reading the state once at the storage bandwidth
+  ByteCheckpoint measured, two-stage checkpoints every `interval_s` (a short stall, then a
+  background persist at the write bandwidth). The iteration time comes from mscale_jax.perf for
+  the paper's layout unless `iteration_s` is given."""
   if rates not in RATES:
     raise ConfigError("rates", rates, f"one of {sorted(RATES)}")
   if gpus % GPUS_PER_NODE:
     raise ConfigError("gpus", gpus, f"a multiple of {GPUS_PER_NODE} GPUs per node")
-  if iteration_s is None:
-    iteration_s = perf_adapter.megascale_step(gpus).iteration_s
+  if iteration_s is None or num_params is None:
+    step = perf_adapter.megascale_step(gpus)
+    iteration_s = step.iteration_s if iteration_s is None else iteration_s
+    num_params = step.num_params if num_params is None else num_params
+  state_gb = num_params * value("bytes_per_param") / 1e9
   exit_s = value("drill.exit_detection_s")
-  restart_s = value("process_start_s") + value("megascale.init_s")
-  restore_s = state_scale * value("restore_175b_s")
+  restart_s = value("process_start_s") + value("megascale.init_s") + value("compile_s")
+  restore_s = state_gb / value("storage_read_gb_per_s")
   memory_every = iteration_s if policy.memory_checkpoints else None
   return Job(
       nodes=gpus // GPUS_PER_NODE, iteration_s=iteration_s, kinds=RATES[rates](),
@@ -95,7 +99,7 @@ def megascale_job(gpus: int, interval_s: float = 1800.0, rates: str = "llama3",
                         cold_replace_s=policy.cold_replace_s,
                         spare_restock_s=value("spare_restock_s")),
       checkpointing=Checkpointing(every_s=interval_s, stall_s=value("megascale.stall_s"),
-                                  persist_s=state_scale * value("bytecheckpoint.persist_175b_s"),
+                                  persist_s=state_gb / value("storage_write_gb_per_s"),
                                   memory_every_s=memory_every,
                                   memory_stall_s=value("gemini.memory_stall_s"),
                                   memory_restore_s=value("memory_restore_s")),
@@ -106,9 +110,10 @@ def megascale_production_job() -> Job:
   """MegaScale's production run as the paper bounds it: the failure rate of 100 restarts in 3
   weeks, detection and diagnosis at the 10-minute bound, and checkpoints often enough that
   restore plus the longest replay (interval + persist) fits the 15-minute catch-up bound."""
-  interval = (value("megascale.catch_up_s") - value("bytecheckpoint.persist_175b_s")
-              - value("restore_175b_s"))
-  return megascale_job(int(value("megascale.gpus")), interval_s=interval, rates="megascale")
+  job = megascale_job(int(value("megascale.gpus")), rates="megascale")
+  interval = value("megascale.catch_up_s") - job.checkpointing.persist_s - job.recovery.restore_s
+  return dataclasses.replace(job, checkpointing=dataclasses.replace(job.checkpointing,
+                                                                    every_s=interval))
 
 
 def lumped_job(gpus: int, kinds: tuple, restart_overhead_s: float, interval_s: float,

@@ -15,7 +15,9 @@ that does starts the recovery over (its time so far stays charged to the phase i
 A planned stop checkpoints first and loses no work. A slow machine does not stop the job: every
 iteration runs `slowdown` times longer until the straggler detector has watched it for
 `Detection.straggler_s` of training, then it is evicted like a failed node (self-checks do not
-find slow machines, MegaScale §5, so restarts in between keep it).
+find slow machines, MegaScale §5, so restarts in between keep it). An in-memory checkpoint tier
+(copies in peers' host memory, Gemini) survives any single failure and is restored from first
+when it is the newer one.
 
 The effective training time rate is MegaScale's: iterations x fault-free iteration time over
 wall time, i.e. `breakdown['training'] / wall_s`; every wall second falls in one of CATEGORIES.
@@ -120,7 +122,7 @@ class _Run:
     self.recoveries = []
     self.next_failure = self._draw()
 
-  # -- failure arrivals and the clock ------------------------------------------------------------
+  # -- failure arrivals and the clock -------------------------------------------------------------
   def _draw(self) -> tuple:
     """(time, kind) of the next failure arrival (time inf without failures)."""
     if self.rate_per_s <= 0:
@@ -170,7 +172,7 @@ class _Run:
       for s in self.slow:
         s[1] -= seconds
 
-  # -- training and checkpoints ------------------------------------------------------------------
+  # -- training and checkpoints -------------------------------------------------------------------
   def _slowdown(self) -> float:
     """How much longer an iteration takes now: the job runs at its slowest machine's pace."""
     return max((s[0] for s in self.slow), default=1.0)
@@ -310,7 +312,7 @@ class _Run:
         self.durable = max(self.durable, progress)
     self.pending = []
 
-  # -- recovery ----------------------------------------------------------------------------------
+  # -- recovery -----------------------------------------------------------------------------------
   def _cause(self, event) -> _Cause:
     job = self.job
     if event[0] == "fault":
@@ -393,7 +395,7 @@ class _Run:
     self.done = restored
     self.first_save = True
 
-  # -- the run -----------------------------------------------------------------------------------
+  # -- the run ------------------------------------------------------------------------------------
   def go(self) -> Outcome:
     spent, event = self._run_for(self.job.startup_s, training=False)
     self.acc["startup"] += spent

@@ -48,7 +48,7 @@ LLAMA3_TABLE5 = {
 }
 
 INPUTS = {
-    # -- failure rates ---------------------------------------------------------------------------
+    # -- failure rates ----------------------------------------------------------------------------
     "llama3.gpus": Input(16384, "GPUs", "cited", LLAMA3 + " 3.3.4", "the 405B pre-training run"),
     "llama3.gpus_per_node": Input(8, "GPUs", "cited", LLAMA3 + " 3.3.1",
                                   "'Each server is equipped with eight GPUs and two CPUs'"),
@@ -104,7 +104,7 @@ INPUTS = {
     "minder.reaction_s": Input(3.6, "s", "cited", MINDER,
                                "reaction time in production (precision 0.904); used as hang "
                                "detection with Minder"),
-    # -- restart -----------------------------------------------------------------------------------
+    # -- restart ----------------------------------------------------------------------------------
     "megascale.init_s": Input(30, "s", "cited", MEGASCALE + " 3.5",
                               "collective initialisation 'under 30 seconds on more than 10,000 "
                               "GPUs'"),
@@ -119,11 +119,10 @@ INPUTS = {
     "bytes_per_param": Input(14, "bytes", "derived", ZERO,
                              "mixed-precision Adam/LAMB state: bf16 weights (2) + fp32 master "
                              "weights, first and second moments (12); gradients are not saved"),
-    "restore_175b_s": Input(56, "s", "derived", BYTECKPT + " Table 8",
-                            "the 405B load time scaled by model size (175/405 x 129.49 s): one "
-                            "reader per data-parallel group (MegaScale 4.4), so the job reads "
-                            "the state once whatever its size"),
-    # -- replacement --------------------------------------------------------------------------------
+    "compile_s": Input(0, "s", "cited", MEGASCALE,
+                       "a Megatron-LM (PyTorch eager) fork (docs megascale.md 1): nothing "
+                       "compiles at start; a JAX job pays its compilation, or a cache hit, here"),
+    # -- replacement ------------------------------------------------------------------------------
     "cold_replace_s": Input(600, "s", "assumed", "",
                             "evicting a node and getting a healthy one from the scheduler "
                             "(MegaScale 4.1 gives no time); the what-if reports 5-30 min too"),
@@ -134,7 +133,7 @@ INPUTS = {
                              "new node)"),
     "warm_spares": Input(8, "nodes", "assumed", "",
                          "about 0.5% of 1,536 nodes; ~5 nodes fail per day at 12,288 GPUs"),
-    # -- checkpoints ----------------------------------------------------------------------------------
+    # -- checkpoints ------------------------------------------------------------------------------
     "megascale.stall_s": Input(5, "s", "assumed", MEGASCALE + " 4.4",
                                "the device-to-host first stage takes 'several seconds'"),
     "bytecheckpoint.persist_175b_s": Input(200, "s", "cited", BYTECKPT,
@@ -148,8 +147,20 @@ INPUTS = {
     "memory_restore_s": Input(0.25, "s", "derived", GEMINI,
                               "a node's state from a peer's host memory over its NICs: 175B at "
                               "TP 8 x PP 8 holds 5.5 GB of bf16 weights and 0.2 GB of optimizer "
-                              "shard per GPU, 45 GB per node, over 8 x 200 Gb/s (MegaScale 2)"),
+                              "shard per GPU, 45 GB per node, over 8 x 200 Gb/s NICs "
+                              "(megascale.md 2)"),
 }
+
+# Storage bandwidths the ByteCheckpoint figures imply for a checkpoint of bytes_per_param bytes
+# per parameter: restores read the state once (one reader per data-parallel group, MegaScale
+# 4.4), so restore time = state / read bandwidth, and the background persist = state / write.
+_STATE = INPUTS["bytes_per_param"].value
+INPUTS["storage_read_gb_per_s"] = Input(
+    405e9 * _STATE / INPUTS["bytecheckpoint.load_405b_s"].value / 1e9, "GB/s", "derived",
+    BYTECKPT + " Table 8", "405B x 14 bytes over the measured 129.49 s load")
+INPUTS["storage_write_gb_per_s"] = Input(
+    175e9 * _STATE / INPUTS["bytecheckpoint.persist_175b_s"].value / 1e9, "GB/s", "derived",
+    BYTECKPT, "175B x 14 bytes over the 200 s end-to-end save to HDFS")
 
 
 def value(name: str) -> float:
