@@ -16,6 +16,8 @@ Sections (--questions, comma-separated; default all):
                interval next to Young's and Daly's first-order optima.
   whatif       at 12,288 GPUs: what warm spares, Minder's seconds-fast hang detection instead of
                a 10-minute timeout, and in-memory checkpoints each buy.
+  assumptions  every input no source gives (status 'assumed'), halved and doubled: how far it
+               moves the result it feeds.
 Every input is in mscale_jax/goodput/sources.py with its source (results/goodput/inputs.md).
 Writes goodput.md, inputs.md, PNG plots and a JSON record (device 'model') to --out_dir.
 """
@@ -31,7 +33,7 @@ from mscale_jax.errors import ConfigError
 from mscale_jax.goodput import analytic, drill, planning, presets, simulate, sources
 from mscale_jax.goodput.perf_adapter import megascale_step
 
-SECTIONS = ("drill", "calibration", "scale", "whatif")
+SECTIONS = ("drill", "calibration", "scale", "whatif", "assumptions")
 GPU_COUNTS = (256, 512, 1024, 2048, 4096, 8192, 12288, 16384, 32768, 65536)
 WHAT_IFS = (("baseline (MegaScale as published)", presets.BASELINE),
             ("+ warm spares", presets.WARM_SPARES),
@@ -300,6 +302,57 @@ def what_if_section(seeds, hours: float, gpus: int = 12288) -> tuple:
                                    "if_gpu_faults_hang": list(hang_gpu)}
 
 
+# Assumed inputs that feed something other than the 12,288-GPU baseline.
+ASSUMED_FEED = {"megascale.weeks": "MegaScale production run",
+                "megascale.gpus": "MegaScale production run",
+                "warm_spares": "12,288 GPUs with warm spares",
+                "spare_swap_s": "12,288 GPUs with warm spares",
+                "spare_restock_s": "12,288 GPUs with warm spares"}
+
+
+def _scenario_rate(scenario: str, seeds, hours: float, gpus: int, interval: float) -> float:
+  """Mean rate of one of ASSUMED_FEED's scenarios (or the baseline), inputs as they are now."""
+  if scenario == "MegaScale production run":
+    weeks = sources.value("megascale.weeks")
+    return simulate.spread(presets.megascale_production_job(), seeds,
+                           hours=weeks * 7 * 24).mean
+  policy = presets.WARM_SPARES if "spares" in scenario else presets.BASELINE
+  return simulate.spread(presets.megascale_job(gpus, interval, policy=policy), seeds,
+                         hours=hours).mean
+
+
+def assumption_section(seeds, hours: float, gpus: int = 12288) -> tuple:
+  """Every assumed input at half and twice its value; returns (markdown, figures)."""
+  interval = planning.first_order_interval(presets.megascale_job(gpus))
+  rows = []
+  for name, inp in sources.INPUTS.items():
+    if inp.status != "assumed":
+      continue
+    scenario = ASSUMED_FEED.get(name, f"{gpus:,} GPUs, baseline")
+    log(f"assumptions: {name}")
+    rates = []
+    for factor in (0.5, 1.0, 2.0):
+      moved = inp.value * factor
+      if name in ("warm_spares", "megascale.gpus"):
+        moved = int(round(moved))
+      with sources.overridden(name, moved):
+        rates.append(_scenario_rate(scenario, seeds, hours, gpus, interval))
+    rows.append({"input": name, "value": inp.value, "unit": inp.unit, "feeds": scenario,
+                 "rate_half": rates[0], "rate": rates[1], "rate_double": rates[2]})
+  lines = ["## Assumed inputs, halved and doubled", "",
+           f"Each input no source gives, at half and twice its value, in the result it feeds "
+           f"({len(seeds)} seeds; 12,288-GPU runs at Daly's interval, {interval / 60:.1f} min).",
+           "", "| input | value | feeds | x 0.5 | as assumed | x 2 | span (points) |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    span = 100 * (max(r["rate_half"], r["rate_double"], r["rate"])
+                  - min(r["rate_half"], r["rate_double"], r["rate"]))
+    lines.append(f"| `{r['input']}` | {r['value']:g} {r['unit']} | {r['feeds']} | "
+                 f"{pct(r['rate_half'])} | {pct(r['rate'])} | {pct(r['rate_double'])} | "
+                 f"{span:.1f} |")
+  return "\n".join(lines) + "\n", {"rows": rows, "interval_s": interval}
+
+
 def _all_gpu_faults_hang(gpus, interval, seeds, hours) -> tuple:
   """(baseline, with Minder) rates when GPU faults hang instead of crashing."""
   out = []
@@ -373,6 +426,9 @@ def run(out_dir: str, questions, seeds: int, days: float, drill_records: str,
     md.append(text)
     plots["whatif"] = goodput_plots.what_if(os.path.join(out_dir, "what_if_12288.png"),
                                             figures["whatif"]["rows"])
+  if "assumptions" in questions:
+    text, figures["assumptions"] = assumption_section(seed_list, hours)
+    md.append(text)
   with open(os.path.join(out_dir, "goodput.md"), "w") as f:
     f.write("\n".join(md))
   with open(os.path.join(out_dir, "inputs.md"), "w") as f:

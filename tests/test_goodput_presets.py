@@ -92,3 +92,12 @@ def test_a_policy_is_compared_on_the_same_failures():
   spared = presets.megascale_job(4096, 900, policy=presets.WARM_SPARES)
   a, b = (simulate.simulate(j, seed=0, hours=24 * 14) for j in (base, spared))
   assert a.failures == b.failures and b.breakdown["replacement"] < a.breakdown["replacement"]
+
+
+def test_an_overridden_input_reaches_every_policy_and_is_restored():
+  before = presets.megascale_job(4096, 900, policy=presets.WARM_SPARES).recovery
+  with sources.overridden("cold_replace_s", 1234.0), sources.overridden("warm_spares", 3):
+    during = presets.megascale_job(4096, 900, policy=presets.WARM_SPARES).recovery
+  after = presets.megascale_job(4096, 900, policy=presets.WARM_SPARES).recovery
+  assert (during.cold_replace_s, during.warm_spares) == (1234.0, 3)
+  assert before == after and (after.cold_replace_s, after.warm_spares) == (600, 8)

@@ -52,19 +52,21 @@ RATES = {"llama3": llama3_kinds, "rsc1": rsc1_kinds, "megascale": megascale_coun
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """The operator's knobs the what-if questions turn (defaults: MegaScale as published)."""
-  warm_spares: int = 0
-  hang_s: float = value("hang_timeout_s")
-  memory_checkpoints: bool = False
-  cold_replace_s: float = value("cold_replace_s")
+  """The operator's knobs the what-if questions turn (defaults: MegaScale as published).
+
+  Values come from `sources` when a job is built, so an input overridden there (a sensitivity
+  run) reaches every policy."""
+  warm_spares: bool = False          # keep `warm_spares` pre-checked nodes ready
+  fast_detection: bool = False       # Minder's reaction time instead of the NCCL hang timeout
+  memory_checkpoints: bool = False   # Gemini-style in-memory checkpoints every iteration
+  cold_replace_s: float | None = None   # None: the `cold_replace_s` input
 
 
 BASELINE = Policy()
-WARM_SPARES = Policy(warm_spares=int(value("warm_spares")))
-FAST_DETECTION = Policy(hang_s=value("minder.reaction_s"))
+WARM_SPARES = Policy(warm_spares=True)
+FAST_DETECTION = Policy(fast_detection=True)
 IN_MEMORY = Policy(memory_checkpoints=True)
-ALL = Policy(warm_spares=int(value("warm_spares")), hang_s=value("minder.reaction_s"),
-             memory_checkpoints=True)
+ALL = Policy(warm_spares=True, fast_detection=True, memory_checkpoints=True)
 
 
 def megascale_job(gpus: int, interval_s: float = 1800.0, rates: str = "llama3",
@@ -90,13 +92,15 @@ def megascale_job(gpus: int, interval_s: float = 1800.0, rates: str = "llama3",
   restart_s = value("process_start_s") + value("megascale.init_s") + value("compile_s")
   restore_s = state_gb / value("storage_read_gb_per_s")
   memory_every = iteration_s if policy.memory_checkpoints else None
+  hang_s = value("minder.reaction_s") if policy.fast_detection else value("hang_timeout_s")
+  cold_s = value("cold_replace_s") if policy.cold_replace_s is None else policy.cold_replace_s
   return Job(
       nodes=gpus // GPUS_PER_NODE, iteration_s=iteration_s, kinds=RATES[rates](),
-      detection=Detection(exit_s=exit_s, hang_s=policy.hang_s),
+      detection=Detection(exit_s=exit_s, hang_s=hang_s),
       recovery=Recovery(self_check_s=value("megascale.detect_diagnose_s") - exit_s,
                         restart_s=restart_s, restore_s=restore_s,
-                        warm_spares=policy.warm_spares, spare_swap_s=value("spare_swap_s"),
-                        cold_replace_s=policy.cold_replace_s,
+                        warm_spares=int(value("warm_spares")) if policy.warm_spares else 0,
+                        spare_swap_s=value("spare_swap_s"), cold_replace_s=cold_s,
                         spare_restock_s=value("spare_restock_s")),
       checkpointing=Checkpointing(every_s=interval_s, stall_s=value("megascale.stall_s"),
                                   persist_s=state_gb / value("storage_write_gb_per_s"),

@@ -6,6 +6,7 @@ from cited figures; `note` says how), 'measured' (from one of our results/ recor
 table; `experiments.goodput` writes it to results/goodput/inputs.md; a test checks that presets
 read nothing that is not here.
 """
+import contextlib
 import dataclasses
 
 LLAMA3 = "Llama 3 Herd of Models (arXiv:2407.21783)"
@@ -166,6 +167,17 @@ INPUTS["storage_write_gb_per_s"] = Input(
 def value(name: str) -> float:
   """The value of input `name` (KeyError names an input that has no source entry)."""
   return INPUTS[name].value
+
+
+@contextlib.contextmanager
+def overridden(name: str, new_value: float):
+  """Temporarily sets input `name` to `new_value` (for sensitivity runs), then restores it."""
+  old = INPUTS[name]
+  INPUTS[name] = dataclasses.replace(old, value=new_value)
+  try:
+    yield
+  finally:
+    INPUTS[name] = old
 
 
 def llama3_node_hours() -> float:
