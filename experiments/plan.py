@@ -93,6 +93,8 @@ def define_flags() -> None:
   flags.DEFINE_string("calibrate", None, "kernel_bench-gemm record to calibrate on.")
   flags.DEFINE_bool("calibrate_any_device", False, "Apply --calibrate's record even when it was "
                     "measured on another accelerator than --hardware models.")
+  flags.DEFINE_bool("goodput", False, "Also print the best layout's tokens per wall-clock second "
+                    "with failures counted (experiments.goodput.goodput_line).")
 
 
 def main(argv):
@@ -109,7 +111,10 @@ def main(argv):
         gpus = int(value)
       except ValueError as e:
         raise ConfigError("gpus", value, "a comma-separated list of integers") from e
-      plan(f.model, gpus, f.hardware, f.global_batch, f.max_batch_scale, f.top, c)
+      best = plan(f.model, gpus, f.hardware, f.global_batch, f.max_batch_scale, f.top, c)
+      if f.goodput and best:
+        from experiments.goodput import goodput_line
+        print(goodput_line(best[0]))
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -1,0 +1,267 @@
+"""Replaying our own fault drills: read a results/fault_drill-*.json record, feed the simulator
+its schedule of faults and its measured costs, and predict its effective training time rate.
+
+What the simulator is given, all measured in the record: the fault-free iteration time; the
+checkpoint cadence, the stall of the first save after a start and of the others, the
+background write time; the start-up time; for each fault, the step it struck (from its
+injection spec), its detection latency, its self-check time and its restart time (detection to
+the end of the first new step, less the self-check and that step). What it predicts: which
+checkpoint each restart falls back to (so the replayed steps), how many saves run (replays
+save again), and the wall time and its split. Time the record does not itemise (evaluations,
+logging, slower steps, shutdown) is taken from the fault-free reference run: its wall time
+minus the simulated fault-free run, per step. When a record lacks the reference's wall time, a
+record measured against the same reference run (same reference workdir and iteration time)
+lends it. Records measuring evaluations directly (a 'where_time_went' key naming them) use that.
+
+The reader is tolerant: missing fields fall back as documented in `read_case`; a fault it
+cannot place or cost is listed in `DrillCase.unplaced` with the reason, never guessed.
+"""
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+import statistics
+
+from mscale_jax.goodput.job import Checkpointing, Detection, Job, Recovery
+from mscale_jax.goodput.simulate import ScheduledFault, simulate
+
+DRILL_KEYS = ("training_s", "startup_s", "detection_s", "restart_s", "replayed_steps_s", "other_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrillCase:
+  """What one drill record says, in the simulator's terms, and what it measured."""
+  path: str
+  steps: int
+  iteration_s: float
+  checkpoint_every: int
+  stall_s: float
+  first_stall_s: float | None
+  persist_s: float
+  startup_s: float
+  faults: tuple                 # ScheduledFault, in the record's order
+  recorded_lost: tuple          # steps lost per placed fault, as recorded (None if absent)
+  unplaced: tuple               # (fault description, why it was not simulated)
+  measured_rate: float
+  measured_wall_s: float
+  measured_breakdown: dict      # the record's where_time_went (seconds), if any
+  reference_wall_s: float | None
+  reference_from: str           # where reference_wall_s came from
+  evaluation_s: float | None    # evaluations measured in the faulty run, if recorded
+  notes: tuple = ()
+
+
+def _number(*values):
+  """The first value that is a finite number, else None."""
+  for v in values:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+      return float(v)
+  return None
+
+
+def _phase(fault: dict, *names):
+  """A per-fault phase time under any of `names`, top level or in a 'phases'/'phase_s' dict."""
+  phases = fault.get("phases") or fault.get("phase_s")
+  phases = phases if isinstance(phases, dict) else {}
+  return _number(*[fault.get(n) for n in names], *[phases.get(n) for n in names])
+
+
+def _checkpoint_every(record: dict, figures: dict, saves: list) -> tuple:
+  """(iterations between saves, how it was found): the record's own field, the command's flag,
+  or the spacing of the recorded saves."""
+  every = _number(figures.get("checkpoint_every"))
+  if every:
+    return int(every), "figures.checkpoint_every"
+  match = re.search(r"--checkpoint_every[= ](\d+)", record.get("command", ""))
+  if match:
+    return int(match.group(1)), "command flag"
+  steps = sorted({s["step"] for s in saves if isinstance(s.get("step"), int)})
+  gaps = [b - a for a, b in zip(steps, steps[1:])]
+  if gaps:
+    return math.gcd(*gaps), "spacing of the recorded saves"
+  return None, "not found"
+
+
+def _placement(fault: dict) -> tuple:
+  """(iterations completed when the fault struck, during a save?, how it was placed) or
+  (None, False, why not)."""
+  spec = str(fault.get("injected") or fault.get("spec") or "")
+  during_save = "at=save" in spec
+  match = re.search(r"(?:^|:)step=(\d+)", spec)
+  if match:
+    step = int(match.group(1))
+    return (step if during_save else step - 1), during_save, "its injection step"
+  step = _number(fault.get("step"), fault.get("injected_step"))
+  if step is not None:
+    return step - 1, during_save, "its recorded step"
+  restore, lost = _number(fault.get("restore_step")), _number(fault.get("steps_lost"))
+  if restore is not None and lost is not None:
+    return restore + lost, during_save, "its recorded restore step + steps lost"
+  return None, False, "no injection step, step or restore point recorded"
+
+
+def _fault(fault: dict, iteration_s: float):
+  """A ScheduledFault from one record fault, or (None, why)."""
+  at, during_save, how = _placement(fault)
+  if at is None:
+    return None, how
+  detection = _phase(fault, "detection_latency_s", "detection_s", "detection")
+  diagnosis = _number((fault.get("diagnosis") or {}).get("self_check_s")
+                      if isinstance(fault.get("diagnosis"), dict) else None,
+                      _phase(fault, "self_check_s", "diagnosis_s", "self_check", "diagnosis"))
+  restart = _phase(fault, "restart_s")
+  if restart is not None:
+    restart -= (diagnosis or 0.0) + iteration_s   # the sim runs the first new step itself
+  else:
+    parts = [_phase(fault, n) for n in ("replacement", "process_start", "restore", "compile",
+                                        "restart")]
+    restart = sum(p for p in parts if p is not None) if any(p is not None for p in parts) \
+        else None
+  if detection is None or restart is None:
+    return None, "no detection or restart time recorded (no restart to simulate)"
+  name = str(fault.get("kind") or spec_kind(fault))
+  return ScheduledFault(at, name, detection, diagnosis or 0.0, max(0.0, restart),
+                        during_save), how
+
+
+def spec_kind(fault: dict) -> str:
+  """The fault's kind from its injection spec ('kill:rank=1:step=37' -> 'kill')."""
+  return str(fault.get("injected") or "fault").split(":")[0]
+
+
+def read_case(path: str, records: dict | None = None) -> DrillCase:
+  """Reads one drill record. `records` ({path: record}) lets a record without the reference
+  run's wall time borrow it from another measured against the same reference run."""
+  with open(path) as f:
+    record = json.load(f)
+  figures = record.get("figures", record)
+  iteration_s = _number(figures.get("iteration_s"))
+  steps = _number(figures.get("steps"))
+  if iteration_s is None or steps is None:
+    raise ValueError(f"{path}: no iteration_s or steps: not a drill record this reader knows")
+  saves = [s for s in figures.get("checkpoint_saves") or [] if isinstance(s, dict)]
+  every, every_from = _checkpoint_every(record, figures, saves)
+  if every is None:
+    raise ValueError(f"{path}: the checkpoint cadence is not recorded")
+  stalls = [s["stall_s"] for s in saves if _number(s.get("stall_s")) is not None]
+  writes = [s["write_s"] for s in saves if _number(s.get("write_s")) is not None]
+  notes = [f"checkpoint every {every} steps ({every_from})"]
+  first_stall = stalls[0] if len(stalls) > 1 else None
+  stall = statistics.median(stalls[1:] if len(stalls) > 1 else stalls) if stalls else 0.0
+  if not stalls:
+    notes.append("no checkpoint stalls recorded: taken as 0")
+  where = {k: v for k, v in (figures.get("where_time_went") or {}).items()
+           if _number(v) is not None}
+  startup = _number(where.get("startup_s"), figures.get("startup_s"))
+  if startup is None:
+    notes.append("start-up time not recorded: left in the fault-free residual")
+  faults, lost, unplaced = [], [], []
+  for f in figures.get("faults") or []:
+    fault, how = _fault(f, iteration_s)
+    if fault is None:
+      unplaced.append((str(f.get("injected") or f.get("kind")), how))
+      continue
+    faults.append(fault)
+    lost.append(_number(f.get("steps_lost")))
+  reference, source = _number(figures.get("reference_wall_s")), "this record"
+  if reference is None and records:
+    reference, source = _borrow_reference(path, record, records)
+  evaluation = _number(*[v for k, v in where.items() if "eval" in k.lower()])
+  return DrillCase(
+      path=path, steps=int(steps), iteration_s=iteration_s, checkpoint_every=every,
+      stall_s=stall, first_stall_s=first_stall,
+      persist_s=statistics.fmean(writes) if writes else 0.0, startup_s=startup or 0.0,
+      faults=tuple(faults), recorded_lost=tuple(lost), unplaced=tuple(unplaced),
+      measured_rate=float(figures["effective_training_time_rate"]),
+      measured_wall_s=float(figures["wall_s"]), measured_breakdown=where,
+      reference_wall_s=reference, reference_from=source, evaluation_s=evaluation,
+      notes=tuple(notes))
+
+
+def _borrow_reference(path: str, record: dict, records: dict) -> tuple:
+  """(reference wall time, its record) from a record of the same reference run, or (None, why)."""
+  figures = record.get("figures", {})
+  for other_path, other in sorted(records.items()):
+    of = other.get("figures", {})
+    if other_path != path and other.get("reference_workdir") == record.get("reference_workdir") \
+        and of.get("iteration_s") == figures.get("iteration_s") \
+        and _number(of.get("reference_wall_s")) is not None:
+      return float(of["reference_wall_s"]), os.path.basename(other_path)
+  return None, "none recorded"
+
+
+def read_all(pattern: str) -> list:
+  """Every drill record matching `pattern` that this reader understands, as DrillCases, plus
+  (path, error) for those it does not: returns (cases, errors)."""
+  paths = sorted(glob.glob(pattern))
+  records = {}
+  for p in paths:
+    with open(p) as f:
+      records[p] = json.load(f)
+  cases, errors = [], []
+  for p in paths:
+    try:
+      cases.append(read_case(p, records))
+    except (ValueError, KeyError, TypeError) as e:
+      errors.append((p, str(e)))
+  return cases, errors
+
+
+def job_for(case: DrillCase, overhead_per_iteration_s: float = 0.0) -> Job:
+  """The drill's job: no random failures, its measured checkpoint and start-up costs."""
+  return Job(nodes=1, iteration_s=case.iteration_s, kinds=(),
+             detection=Detection(0.0, 0.0),
+             recovery=Recovery(self_check_s=0.0, restart_s=0.0, restore_s=0.0),
+             checkpointing=Checkpointing(every_s=case.checkpoint_every * case.iteration_s,
+                                         stall_s=case.stall_s, persist_s=case.persist_s,
+                                         first_stall_s=case.first_stall_s),
+             startup_s=case.startup_s, overhead_per_iteration_s=overhead_per_iteration_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """The simulator's replay of one drill next to what the drill measured."""
+  case: DrillCase
+  rate_events_only: float       # fed the itemised costs alone
+  rate: float                   # plus the fault-free residual (the prediction)
+  residual_per_step_s: float | None
+  residual_from: str
+  breakdown: dict               # predicted, in the drill's categories (DRILL_KEYS)
+  lost: tuple                   # predicted steps lost per placed fault
+
+  @property
+  def difference_points(self) -> float:
+    return 100.0 * (self.rate - self.case.measured_rate)
+
+
+def _drill_breakdown(out, iteration_s: float) -> dict:
+  """The simulated run split as fault_drill.where_time_went splits a measured one: restarts run
+  from detection to the end of the first new step, so that step is in both restart and
+  training/replay, and 'other' is the rest (checkpoint stalls, evaluations, ...)."""
+  b = out.breakdown
+  restarts = b["diagnosis"] + b["restart"] + len(out.recoveries) * iteration_s
+  split = {"training_s": b["training"], "startup_s": b["startup"],
+           "detection_s": b["detection"], "restart_s": restarts,
+           "replayed_steps_s": b["replay"]}
+  split["other_s"] = out.wall_s - sum(split.values())
+  return split
+
+
+def predict(case: DrillCase) -> Prediction:
+  """Replays `case`: events only, then with the per-step residual of the fault-free run."""
+  events = simulate(job_for(case), iterations=case.steps, faults=case.faults)
+  residual, source = None, "none: the record has no fault-free reference and no evaluations"
+  if case.evaluation_s is not None:
+    ran = case.steps + sum(x or 0 for x in case.recorded_lost)
+    residual, source = case.evaluation_s / ran, "evaluations measured in this run"
+  elif case.reference_wall_s is not None:
+    fault_free = simulate(job_for(case), iterations=case.steps).wall_s
+    residual = max(0.0, case.reference_wall_s - fault_free) / case.steps
+    source = f"fault-free reference run ({case.reference_from})"
+  out = events if residual is None else simulate(
+      job_for(case, residual), iterations=case.steps, faults=case.faults)
+  return Prediction(case, events.rate, out.rate, residual, source,
+                    _drill_breakdown(out, case.iteration_s),
+                    tuple(r.lost_iterations for r in out.recoveries))
