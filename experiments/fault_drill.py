@@ -15,11 +15,11 @@ results/ record and, next to it, a PNG of both runs' progress (step against wall
 """
 import json
 import os
-import subprocess
-import sys
 import time
 
 from absl import app, flags
+
+from experiments import job
 
 _FAULTS = flags.DEFINE_multi_string(
     "fault", ["kill:rank=1:step=37", "bad_slot:slot=1", "kill:rank=0:step=80:at=save",
@@ -36,25 +36,26 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/fault_drill", "Folder for both r
 _REFERENCE = flags.DEFINE_string("reference", None, "A finished fault-free run to compare "
                                  "with (default: run one in WORKDIR/reference).")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
+_TIMEOUT = flags.DEFINE_integer("timeout_s", 3600, "Give up on a launcher run (and kill all it "
+                                "started) after this many seconds.")
 
 
 def launch(workdir: str, faults: list[str]) -> None:
-  """Runs experiments.launch to the end, streaming the driver's lines (its report holds the
-  wall time)."""
-  command = [sys.executable, "-m", "experiments.launch", "--num_processes=2",
-             "--devices_per_process=4", f"--spare_slots={_SPARES.value}",
-             f"--hang_timeout_s={_HANG.value}", f"--hang_step_factor={_HANG_FACTOR.value}",
-             f"--max_restarts={len(faults) + 2}", f"--workdir={workdir}",
-             f"--compile_cache_dir={os.path.join(_WORKDIR.value, 'compile_cache')}",
-             *[f"--fault={f}" for f in faults], "--", f"--config={_CONFIG.value}",
-             f"--config.train.steps={_STEPS.value}",
-             f"--config.train.checkpoint_every={_CHECKPOINT_EVERY.value}",
-             "--config.train.log_every=1"]
-  print("[drill] " + " ".join(command[1:]), flush=True)
-  result = subprocess.run(command)
-  if result.returncode:
-    raise SystemExit(f"[drill] the launcher exited with status {result.returncode}; see "
-                     f"{workdir}/resilience/report.json and {workdir}/logs/")
+  """Runs experiments.launch to the end (experiments/job.py), streaming the driver's lines (its
+  report holds the wall time)."""
+  cache = os.path.abspath(os.path.join(_WORKDIR.value, "compile_cache"))
+  result = job.run(
+      workdir, ["--num_processes=2", "--devices_per_process=4", f"--spare_slots={_SPARES.value}",
+                f"--hang_timeout_s={_HANG.value}", f"--hang_step_factor={_HANG_FACTOR.value}",
+                f"--max_restarts={len(faults) + 2}", f"--compile_cache_dir={cache}",
+                *[f"--fault={f}" for f in faults]],
+      [f"--config={_CONFIG.value}", f"--config.train.steps={_STEPS.value}",
+       f"--config.train.checkpoint_every={_CHECKPOINT_EVERY.value}",
+       "--config.train.log_every=1"], timeout_s=_TIMEOUT.value, echo=True)
+  if result.status != 0:
+    ended = "timed out" if result.timed_out else f"exited with status {result.status}"
+    raise SystemExit(f"[drill] the launcher {ended}; see {workdir}/resilience/report.json, "
+                     f"{workdir}/logs/ and {result.log}")
 
 
 def read_json(path):

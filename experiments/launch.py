@@ -9,7 +9,7 @@ r"""Multi-process training under MegaScale's robust-training driver, or its clus
 Flags before `--` are the launcher's; those after it are experiments.train's, passed to every
 worker. Locally the driver starts the workers (one JAX process each, with its own simulated CPU
 devices or accelerators), watches their heartbeats, and restarts the group from the latest
-checkpoint after a failure (mscale_jax/resilience/driver.py); its report is
+checkpoint after a failure (mscale_jax/resilience/driver/); its report is
 WORKDIR/resilience/report.json and worker logs are in WORKDIR/logs/. With --emit=slurm or
 --emit=kubernetes it writes a batch script / JobSet manifest to WORKDIR instead, for the
 scheduler to start the workers (JAX's cluster auto-detection joins them); those files run
@@ -158,7 +158,7 @@ def main(argv):
   workdir = os.path.abspath(_WORKDIR.value or os.path.join("runs", f"{config.name}-{stamp}"))
   worker = [sys.executable, "-m", "experiments.train", *train_args]
   if _EMIT.value != "local":
-    from mscale_jax.resilience import cluster
+    from mscale_jax.resilience.driver import cluster
     spec = cluster.ClusterJob(
         name=config.name.replace("_", "-"), num_processes=_NUM_PROCESSES.value,
         devices_per_process=_DEVICES.value, coordinator_port=_PORT.value or 1234,
@@ -169,7 +169,7 @@ def main(argv):
     path = cluster.write(spec, _EMIT.value, workdir)
     print(f"[launch] wrote {path}")
     return
-  from mscale_jax.resilience.driver import Driver, DriverOptions
+  from mscale_jax.resilience.driver.supervisor import Driver, DriverOptions
   options = DriverOptions(
       worker_command=worker, workdir=workdir, num_processes=_NUM_PROCESSES.value,
       devices_per_process=_DEVICES.value, spare_slots=_SPARES.value,

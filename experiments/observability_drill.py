@@ -15,12 +15,11 @@ heat-map to results/observability_drill-heatmap.png.
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 
 from absl import app, flags
+
+from experiments import job
 
 _CLEAN = flags.DEFINE_integer("clean_steps", 300, "Fault-free steps before the slowdown.")
 _SLOW = flags.DEFINE_integer("slow_steps", 30, "Steps with the slow rank before the hang.")
@@ -30,11 +29,10 @@ _DEVICES = flags.DEFINE_integer("devices_per_process", 4, "Devices per process."
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder (default /tmp/observability_drill-"
                                "<time>).")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 1800, "Give up (and kill the job) after this.")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record and the heat-map "
+                               "(default results/).")
 
-MODEL_ARGS = ["--config=experiments/configs/gpt_tiny.py", "--config.model.hidden=32",
-              "--config.model.mlp_dim=64", "--config.model.seq_len=32",
-              "--config.train.global_batch=8", "--config.optimizer.warmup_steps=10",
-              "--config.data.prefetch=0"]
+MODEL_ARGS = job.TINY_GPT + ["--config.optimizer.warmup_steps=10"]
 
 
 def main(argv):
@@ -45,28 +43,21 @@ def main(argv):
   workdir = os.path.abspath(_WORKDIR.value or time.strftime("/tmp/observability_drill-%H%M%S"))
   if os.path.exists(workdir):
     shutil.rmtree(workdir)
-  command = [sys.executable, "-m", "experiments.launch", f"--workdir={workdir}",
-             f"--num_processes={_PROCESSES.value}",
-             f"--devices_per_process={_DEVICES.value}", "--heartbeat_s=1",
-             f"--fault=slow:rank=1:factor={_FACTOR.value}:step={clean + 1}",
-             f"--fault=hang:rank=0:step={clean + slow + 1}", "--hang_timeout_s=10",
-             "--max_restarts=0", "--status_every_s=60", "--", *MODEL_ARGS,
-             f"--config.train.steps={steps}", "--config.train.log_every=10",
-             # One evaluation and save, at the end (never reached): a first multi-process
-             # orbax save on this loaded machine once outlasted the driver's hang limit.
-             f"--config.train.eval_every={steps}", f"--config.train.checkpoint_every={steps}"]
-  print("[drill] " + " ".join(command[1:]), flush=True)
-  start = time.time()
-  proc = subprocess.Popen(command, start_new_session=True)
-  try:
-    proc.wait(timeout=_TIMEOUT.value)
-  finally:
-    try:
-      os.killpg(proc.pid, signal.SIGKILL)   # whatever the launcher left (it should be nothing)
-    except ProcessLookupError:
-      pass
-    proc.wait()
-  wall = time.time() - start
+  result = job.run(
+      workdir, [f"--num_processes={_PROCESSES.value}",
+                f"--devices_per_process={_DEVICES.value}", "--heartbeat_s=1",
+                f"--fault=slow:rank=1:factor={_FACTOR.value}:step={clean + 1}",
+                f"--fault=hang:rank=0:step={clean + slow + 1}", "--hang_timeout_s=10",
+                "--max_restarts=0", "--status_every_s=60"],
+      [*MODEL_ARGS, f"--config.train.steps={steps}", "--config.train.log_every=10",
+       # One evaluation and save, at the end (never reached): a first multi-process orbax
+       # save on this loaded machine once outlasted the driver's hang limit.
+       f"--config.train.eval_every={steps}", f"--config.train.checkpoint_every={steps}"],
+      timeout_s=_TIMEOUT.value, echo=True)
+  if result.timed_out:
+    raise SystemExit(f"[drill] the launcher timed out after {_TIMEOUT.value} s (killed); see "
+                     f"{result.log}")
+  wall = result.wall_s
   with open(os.path.join(workdir, "resilience", "report.json")) as f:
     report = json.load(f)
   with open(os.path.join(workdir, "timeline", "summary.json")) as f:
@@ -91,15 +82,16 @@ def main(argv):
       "timeline_summary": timeline,
       "wall_s": wall,
   }
-  os.makedirs(os.path.join(results.REPO_ROOT, "results"), exist_ok=True)
-  png = os.path.join(results.REPO_ROOT, "results", "observability_drill-heatmap.png")
+  out_dir = _OUT_DIR.value or os.path.join(results.REPO_ROOT, "results")
+  os.makedirs(out_dir, exist_ok=True)
+  png = os.path.join(out_dir, "observability_drill-heatmap.png")
   shutil.copy(os.path.join(workdir, "timeline", "heatmap.png"), png)
   path = results.write_record(
-      "observability_drill", figures,
+      "observability_drill", figures, out_dir=out_dir,
       extra={"workdir": workdir, "heatmap": os.path.relpath(png, results.REPO_ROOT),
              "note": "Tiny GPT (hidden 32, seq 32, batch 8) on 2 processes x 4 simulated CPU "
                      "devices of a shared 2-core machine; flags are the driver's "
-                     "(mscale_jax/resilience/observer.py), defaults threshold 0.1 of a step, "
+                     "(mscale_jax/observability/observer.py), defaults threshold 0.1 of a step, "
                      "window 10 steps."},
       device={"platform": "cpu", "device_kind": "cpu", "process_count": _PROCESSES.value,
               "devices_per_process": _DEVICES.value, "host_cpu_count": os.cpu_count()})

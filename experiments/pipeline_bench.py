@@ -59,7 +59,7 @@ def _setup(stages, batch_size, scan_layers=True):
   from flax import nnx
   from mscale_jax import mesh as mesh_lib
   from mscale_jax.model import GPT
-  from mscale_jax.train import abstract_model
+  from mscale_jax.model import abstract_model
   config = _model_config(scan_layers)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "stage": stages, "tensor": TENSOR})
   graphdef, _, names = abstract_model(config)
@@ -75,7 +75,7 @@ def unpipelined(microbatches):
   """Compiled temp bytes, FLOPs (layers unrolled) and step time of the stage=1 step."""
   import jax
   from mscale_jax import mesh as mesh_lib
-  from mscale_jax.train import loss_fn
+  from mscale_jax.step import loss_fn
   _, mesh, graphdef, params, names, batch = _setup(1, microbatches * MICRO, scan_layers=False)
   with jax.set_mesh(mesh):
     params = jax.device_put(params, mesh_lib.shardings_for(mesh, names))

@@ -18,9 +18,9 @@ _TITLE = flags.DEFINE_string("title", None, "Title of the heat-map.")
 
 def format_summary(summary: dict) -> str:
   """A table: one row per rank, mean ms per iteration of each loop phase, and outliers."""
-  from mscale_jax.resilience import timeline as timeline_lib
+  from mscale_jax.observability.phases import LOOP_PHASES
   ranks = summary["ranks"]
-  phases = [p for p in timeline_lib.LOOP_PHASES if any(p in r["mean_s"] for r in ranks.values())]
+  phases = [p for p in LOOP_PHASES if any(p in r["mean_s"] for r in ranks.values())]
   lines = ["rank  iters  " + "  ".join(f"{p[:12]:>12}" for p in phases) + "   own_ms  iter_ms"]
   for rank, r in ranks.items():
     cells = "  ".join(f"{1e3 * r['mean_s'].get(p, 0.0):12.2f}" for p in phases)
@@ -38,7 +38,7 @@ def main(argv):
   if len(argv) != 2:
     print("usage: python -m experiments.timeline RUN_DIR", file=sys.stderr)
     sys.exit(2)
-  from mscale_jax.resilience import heatmap, trace
+  from mscale_jax.observability import heatmap, trace
   try:
     out = trace.merge(argv[1])
   except FileNotFoundError as e:

@@ -3,8 +3,9 @@ r"""What the per-rank timeline costs the default main job (goal: < 1% of the ste
   python -m experiments.timeline_overhead                  # direct + A/B (4 short runs)
   python -m experiments.timeline_overhead --ab_runs=0      # direct measurement only
 
-Direct: the median time of one `Timeline.phase()` call (the loop's hot path: a perf_counter
-read and a deque append; median over repeats of 100,000 calls, the writer thread running), and
+Direct: the median time of one `PhaseMachine.phase()` call with a Timeline as its sink (the
+loop's hot path: a perf_counter read, a deque append and the per-iteration sums; median over
+repeats of 100,000 calls, the writer thread running), and
 the writer's cost per span (JSON + file append, on its own thread), times the spans one
 iteration records, over the mean iteration time of a run of the default main job
 (experiments/configs/gpt_tiny.py on 8 simulated CPU devices) with the timeline on.
@@ -29,16 +30,18 @@ _AB_RUNS = flags.DEFINE_integer("ab_runs", 2, "Runs with the timeline on and off
 
 
 def phase_call_cost(calls: int = 100_000, repeats: int = 7) -> dict:
-  """Median seconds per Timeline.phase() and per span written by the writer thread."""
-  from mscale_jax.resilience.timeline import LOOP_PHASES, Timeline
+  """Median seconds per phase change and per span written by the writer thread."""
+  from mscale_jax.observability.phases import LOOP_PHASES, PhaseMachine
+  from mscale_jax.observability.timeline import Timeline
   names = LOOP_PHASES[:5]
   per_call, per_write = [], []
   with tempfile.TemporaryDirectory() as directory:
     for _ in range(repeats):
       tl = Timeline(directory, 0, flush_every_s=3600)
+      machine = PhaseMachine(sink=tl)
       start = time.perf_counter()
       for i in range(calls):
-        tl.phase(names[i % 5], i // 5)
+        machine.phase(names[i % 5], i // 5)
       per_call.append((time.perf_counter() - start) / calls)
       start = time.perf_counter()
       tl.flush()
@@ -54,7 +57,7 @@ def run_main_job(timeline: bool, steps: int, cache: str) -> dict:
   import jax
   from experiments.configs import gpt_tiny
   from mscale_jax.config import Config
-  from mscale_jax.resilience import trace
+  from mscale_jax.observability import trace
   from mscale_jax.train import Trainer
   jax.config.update("jax_compilation_cache_dir", cache)
   config = Config.from_dict(gpt_tiny.get_config().to_dict()).replace(
@@ -78,8 +81,9 @@ def main(argv):
   del argv
   from experiments import results
   cost = phase_call_cost()
-  print(f"[overhead] Timeline.phase(): {1e9 * cost['phase_call_s']:.0f} ns per call; writer "
-        f"{1e6 * cost['write_per_span_s']:.2f} us per span (its own thread)", flush=True)
+  print(f"[overhead] PhaseMachine.phase() into a Timeline: {1e9 * cost['phase_call_s']:.0f} ns "
+        f"per call; writer {1e6 * cost['write_per_span_s']:.2f} us per span (its own thread)",
+        flush=True)
   runs = []
   with tempfile.TemporaryDirectory() as cache:
     run_main_job(True, 30, cache)   # warms the compilation cache: measured runs compile alike
@@ -106,9 +110,9 @@ def main(argv):
     figures["ab_run_to_run_spread_fraction"] = (max(tps_on + tps_off) - min(tps_on + tps_off)) \
         / statistics.mean(tps_on + tps_off)
   path = results.write_record("timeline_overhead", figures, extra={
-      "method": "hot path: median ns per Timeline.phase() x spans per iteration / mean "
-                "iteration time of the default main job (gpt_tiny, 8 simulated CPU devices) "
-                "with the timeline on; writer: the same for its per-span write, on its own "
+      "method": "hot path: median ns per PhaseMachine.phase() (Timeline sink) x spans per "
+                "iteration / mean iteration time of the default main job (gpt_tiny, 8 "
+                "simulated CPU devices) with the timeline on; writer: the same for its per-span write, on its own "
                 "thread; A/B: steady-state tokens/s with train.timeline on vs off, "
                 "alternating runs on a shared 2-core machine"})
   print(f"[overhead] hot path {100 * direct:.4f}% of a {1e3 * iteration_s:.0f} ms iteration "

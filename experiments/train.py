@@ -6,8 +6,9 @@ r"""The main job: train a GPT on a device mesh, or print what a config would nee
   python -m experiments.train --config=experiments/configs/gpt_175b.py --dry_run
 
 Run as one of several processes (by `experiments.launch`, Slurm or Kubernetes), it joins the
-job as the MSCALE_* environment variables say (mscale_jax/resilience/worker.py). A non-finite
-loss with train.on_nonfinite=stop exits with status 3.
+job as the MSCALE_* environment variables say (mscale_jax/resilience/worker/), sends heartbeats
+to the driver and fires the faults it was given. A non-finite loss with train.on_nonfinite=stop
+exits with status 3.
 
 Outputs go to --workdir (default runs/<config>-<UTC timestamp>): metrics.jsonl, TensorBoard
 events in tensorboard/, checkpoints/ and summary.json. A workdir that holds checkpoints is
@@ -54,7 +55,7 @@ def dry_run(config) -> dict:
   """Parameter count, FLOPs per token and per-device bytes of params/grads/optimizer state."""
   from mscale_jax import flops, mesh as mesh_lib
   from mscale_jax.config import MESH_AXES, validate
-  from mscale_jax.train import abstract_model
+  from mscale_jax.model import abstract_model
   import jax
   requested = {axis: max(getattr(config.mesh, axis), 1) for axis in MESH_AXES}
   mesh_shape = validate(config, math.prod(requested.values()))
@@ -82,26 +83,39 @@ def dry_run(config) -> dict:
   return report
 
 
+def worker_callbacks(heartbeats, env=None) -> list:
+  """The callbacks of a worker: heartbeats when the driver listens (MSCALE_HEARTBEAT_URL), and
+  the faults asked for (MSCALE_FAULTS, then --fault), if any."""
+  from mscale_jax.callbacks.worker import FaultInjection, Heartbeats
+  from mscale_jax.resilience.faults import parse_faults
+  env = os.environ if env is None else env
+  faults = parse_faults(json.loads(env.get("MSCALE_FAULTS", "[]")) + list(_FAULTS.value))
+  return ([Heartbeats(heartbeats)] if heartbeats.url else []) + \
+      ([FaultInjection(faults)] if faults else [])
+
+
 def main(argv):
   del argv
   # Our own INFO lines (data, optimizer, attention choices) stay; libraries' INFO chatter goes.
   absl_logging.set_verbosity(absl_logging.WARNING)
   for name in ("mscale_jax", "pallas_kernels"):
     logging.getLogger(name).setLevel(logging.INFO)
-  from mscale_jax.resilience import events, worker
+  from mscale_jax.resilience import events
+  from mscale_jax.resilience.worker import distributed, selfcheck
+  from mscale_jax.resilience.worker.heartbeat import HeartbeatClient
   try:
     config = _config()
-    if not _DRY_RUN.value:
-      worker.initialize_distributed()
-      hooks = worker.WorkerHooks.from_env(extra_faults=_FAULTS.value)
     if _DRY_RUN.value:
       print(json.dumps(dry_run(config), indent=2))
       return
+    distributed.initialize_distributed()
+    heartbeats = HeartbeatClient.from_env()
+    callbacks = worker_callbacks(heartbeats)
     from mscale_jax.train import Trainer
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     workdir = _WORKDIR.value or os.path.join("runs", f"{config.name}-{stamp}")
-    worker.self_check_if_asked(hooks, workdir)   # a restarted group checks its slots first
-    trainer = Trainer(config, workdir, hooks=hooks)
+    selfcheck.self_check_if_asked(heartbeats, workdir)   # a restarted group checks its slots
+    trainer = Trainer(config, workdir, callbacks=callbacks, attempt=heartbeats.beat.attempt)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -116,12 +130,9 @@ def main(argv):
   except ConfigError as e:   # raised while tracing, e.g. a kernel's block size
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  except NonFiniteError as e:
+  except NonFiniteError as e:   # the Heartbeats callback has told the driver
     print(f"error: {e}", file=sys.stderr)
     sys.exit(events.EXIT_NONFINITE)
-  except Exception as e:
-    hooks.failure(events.EXCEPTION, f"{type(e).__name__}: {e}")
-    raise
   if jax.process_index() != 0:
     return
   print("[train] summary:")
@@ -140,7 +151,7 @@ def main(argv):
     print(f"  {'nonfinite_steps':18s} {summary['nonfinite_steps']} "
           f"({summary['on_nonfinite']}, {summary['rollbacks']} rollbacks)")
   if config.train.timeline and not os.environ.get("MSCALE_COORDINATOR"):
-    from mscale_jax.resilience import trace   # under the driver, the driver merges
+    from mscale_jax.observability import trace   # under the driver, the driver merges
     merged = trace.merge(workdir)
     print(f"  {'timeline':18s} {merged['trace']} (heat-map {merged['heatmap']})")
   if _RECORD.value:

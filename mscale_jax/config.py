@@ -239,7 +239,9 @@ def validate(config: Config, num_devices: int, *,
              platform: str | None = None) -> dict[str, int]:
   """Checks `config` for `num_devices` devices; returns the concrete mesh shape.
 
-  `platform` ('cpu', 'gpu', 'tpu') enables checks of platform-specific choices.
+  `platform` ('cpu', 'gpu', 'tpu') enables checks of platform-specific choices. Long on
+  purpose: one flat check per field, in the order of the config, so that the first bad field
+  is the one reported.
 
   Raises:
     ConfigError: naming the first field whose value cannot work, and what would be valid.

@@ -9,7 +9,7 @@ class NonFiniteError(RuntimeError):
   """Training met a non-finite loss or gradient norm and `train.on_nonfinite` says stop."""
 
   def __init__(self, step: int, detail: str):
-    self.step = step
+    self.step, self.detail = step, detail
     super().__init__(f"non-finite loss or gradient norm at step {step} ({detail}); no update "
                      f"was applied and no checkpoint holds it. train.on_nonfinite='skip_step' "
                      f"or 'rollback' would go on")

@@ -62,7 +62,7 @@ def restore_params(checkpoint_dir: str, step: int | None = None, devices=None):
     ConfigError: the folder holds no complete checkpoint (or not `step`).
   """
   from mscale_jax.checkpoint import abstract_like
-  from mscale_jax.train import abstract_model
+  from mscale_jax.model import abstract_model
   if not os.path.isdir(checkpoint_dir):
     raise ConfigError("checkpoint directory", checkpoint_dir, "an existing folder of "
                       "checkpoints written by the Trainer (WORKDIR/checkpoints)")

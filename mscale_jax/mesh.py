@@ -34,6 +34,10 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "positions": None,
 }
 
+# Activations between blocks: batch over (data, fsdp), sequence over 'tensor'. The model
+# constrains its residual stream to this, and the pipeline executor its stage buffers.
+RESIDUAL = ("batch", "seq_sp", "act_embed")
+
 
 def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A mesh with axes (data, fsdp, stage, tensor) of the given sizes over `devices`.

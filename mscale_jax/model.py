@@ -19,11 +19,8 @@ from flax import nnx
 
 from mscale_jax import attention as attention_lib
 from mscale_jax.config import ModelConfig
-from mscale_jax.mesh import constrain, per_shard
+from mscale_jax.mesh import RESIDUAL, constrain, logical_names, per_shard
 from mscale_jax.parallel import tensor as tp
-
-# Activations between blocks: batch over (data, fsdp), sequence over 'tensor'.
-RESIDUAL = ("batch", "seq_sp", "act_embed")
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -330,3 +327,11 @@ class GPT(nnx.Module):
 def count_params(state) -> int:
   """Number of parameters in a (possibly abstract) model state."""
   return sum(math.prod(x.shape) for x in jax.tree.leaves(state))
+
+
+def abstract_model(config: ModelConfig):
+  """(graphdef, abstract params, logical names of params), allocating nothing."""
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(model, nnx.Param)
+  return graphdef, nnx.to_pure_dict(params), logical_names(params)

@@ -1,9 +1,11 @@
-"""The Trainer: sharded init or exact resume, the jit train step, evaluation, logging, checkpoints.
+"""The Trainer: sharded init or exact resume, the compiled train step, evaluation, and the loop.
 
-The train state is a plain pytree `{'step', 'params', 'opt_state'}`: `params` is the model's
-`nnx.Param` state as a pure dict (merged back into the NNX model inside the step), and the
-optimizer state is sharded exactly like the parameters. Every logged step goes to the progress
-bar, to TensorBoard event files and to `WORKDIR/metrics.jsonl`.
+`Trainer.train` is the loop on one screen: take a batch, dispatch the step, fetch the step
+before it (one step late, so the check adds no device sync), log, save. What happens around
+those points is callbacks (mscale_jax/callbacks/): the standard ones write metrics.jsonl,
+TensorBoard and the console, checkpoint, record the timeline and the profiler window; more can
+be passed in (heartbeats and fault injection under the driver; anything an experiment needs).
+The step itself is `mscale_jax/step.py`; the non-finite policy is `callbacks/nonfinite.py`.
 """
 import dataclasses
 import functools
@@ -17,43 +19,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 from mscale_jax import compile_cache
 from mscale_jax import data as data_lib
 from mscale_jax import flops as flops_lib
 from mscale_jax import mesh as mesh_lib
 from mscale_jax import optim
+from mscale_jax import step as step_lib
+from mscale_jax.callbacks import nonfinite
+from mscale_jax.callbacks.base import Callbacks, Checked, Pending, Run
+from mscale_jax.callbacks.checkpointing import Checkpointing
+from mscale_jax.callbacks.metrics import MetricsFile, ProgressBar, TensorBoard
+from mscale_jax.callbacks.observability import Profiler, StackDump, TimelineRecorder
 from mscale_jax.checkpoint import Checkpointer, abstract_like
-from mscale_jax.config import Config, ModelConfig, validate
-from mscale_jax.errors import NonFiniteError
-from mscale_jax.model import GPT, count_params
+from mscale_jax.config import Config, validate
+from mscale_jax.model import GPT, abstract_model, count_params
 from mscale_jax.parallel import pipeline
-from mscale_jax.resilience import events
-from mscale_jax.resilience import timeline as timeline_lib
-from mscale_jax.resilience.profiler import ProfilerWindow
-from mscale_jax.resilience.worker import WorkerHooks
 
 log = logging.getLogger("mscale_jax")
-
-# train.on_nonfinite='rollback' gives up (NonFiniteError) after this many rollbacks in a run.
-MAX_ROLLBACKS = 3
-
-
-def abstract_model(config: ModelConfig):
-  """(graphdef, abstract params, logical names of params), allocating nothing."""
-  with nnx.use_eager_sharding(False):
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-  graphdef, params = nnx.split(model, nnx.Param)
-  return graphdef, nnx.to_pure_dict(params), mesh_lib.logical_names(params)
-
-
-def loss_fn(params, graphdef, batch) -> jax.Array:
-  """Mean next-token cross-entropy of `batch` {'inputs', 'targets': int32 [b, s]} (and
-  'segment_ids' [b, s] under data.document_mask: attention stays within documents)."""
-  model = nnx.merge(graphdef, params)
-  logits = model(batch["inputs"], batch.get("segment_ids"))
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,16 +71,21 @@ class Trainer:
   """Trains `config` in `workdir`, resuming from the latest checkpoint there if any.
 
   Everything that can be wrong with the configuration, the data or an existing checkpoint is
-  checked in the constructor, before anything compiles (ConfigError).
+  checked in the constructor, before anything compiles (ConfigError). `callbacks` run after the
+  standard ones (`standard_callbacks`); `attempt` is which (re)start of a supervised job this
+  process is (it names the timeline's and the stack dump's files).
   """
 
   def __init__(self, config: Config, workdir: str, *, devices=None, show_progress=None,
-               hooks: WorkerHooks | None = None):
+               callbacks=(), attempt: int = 0):
     self.config = config
-    self.hooks = hooks or WorkerHooks()   # heartbeats and fault points (resilience/worker.py)
     self.workdir = os.path.abspath(workdir)
     self.devices = list(devices if devices is not None else jax.devices())
     self.show_progress = show_progress
+    self.callbacks = list(callbacks)
+    self.attempt = attempt
+    self.process_index = jax.process_index()
+    self.is_main = self.process_index == 0
     mesh_shape = validate(config, len(self.devices), platform=self.devices[0].platform)
     self.mesh = mesh_lib.make_mesh(mesh_shape, self.devices)
     # Block parameters are stored in the pipeline's layer order (identity without one).
@@ -143,11 +131,22 @@ class Trainer:
     if self.resume_step is not None:
       self.checkpointer.check_compatible(self.resume_step, config)
       self.train_iter.set_state(self.checkpointer.restore_data_state(self.resume_step))
-    self._train_step = jax.jit(self._step, donate_argnums=0,
-                               out_shardings=(self.state_shardings, None))
-    self._eval_loss = jax.jit(lambda params, batch: loss_fn(self._natural_order(params),
-                                                            self.graphdef, batch))
+    gradients = step_lib.make_gradients(self.graphdef, config.pipeline, self.layer_layout)
+    self._train_step = jax.jit(
+        functools.partial(step_lib.train_step, gradients=gradients, tx=self.tx,
+                          schedule=self.schedule),
+        donate_argnums=0, out_shardings=(self.state_shardings, None))
+    self._eval_loss = jax.jit(lambda params, batch: step_lib.loss_fn(
+        self._natural_order(params), self.graphdef, batch))
     self._eval_executable = None
+    self.nonfinite_policy = nonfinite.policy(t.on_nonfinite)
+
+  def standard_callbacks(self) -> list:
+    """What every run has: the profiler window, checkpoints, the timeline (unless
+    train.timeline is off), the stack dump, metrics.jsonl, TensorBoard and the progress bar."""
+    timeline = [TimelineRecorder(self.attempt)] if self.config.train.timeline else []
+    return [Profiler(), Checkpointing(), *timeline, StackDump(self.attempt), MetricsFile(),
+            TensorBoard(), ProgressBar(self.show_progress)]
 
   # -- state ---------------------------------------------------------------------------------
 
@@ -171,11 +170,11 @@ class Trainer:
     step = self.resume_step
     if step is None:
       return self.init_state(), 0
-    state = self._restore(step)
+    state = self.restore(step)
     log.info("resumed from %s at step %d", self.checkpointer.directory, step)
     return state, int(step)
 
-  def _restore(self, step: int):
+  def restore(self, step: int):
     """Checkpoint `step` in this run's sharding and pipeline layer order."""
     with jax.set_mesh(self.mesh):
       target = abstract_like(jax.eval_shape(self._fresh_state), self.state_shardings)
@@ -201,30 +200,6 @@ class Trainer:
 
   # -- steps ---------------------------------------------------------------------------------
 
-  def _step(self, state, batch, loss_scale):
-    # loss_scale is 1.0 (bitwise a no-op) except on a step a `nan` fault poisons.
-    if self.layer_layout[0] > 1:
-      p = self.config.pipeline
-      loss, grads = pipeline.value_and_grad(
-          state["params"], self.graphdef, batch, schedule=p.schedule,
-          stages=self.layer_layout[0], virtual=p.virtual_stages, microbatches=p.microbatches,
-          overlap=p.overlap)
-      loss, grads = loss * loss_scale, jax.tree.map(lambda g: g * loss_scale, grads)
-    else:
-      loss, grads = jax.value_and_grad(
-          lambda p: loss_fn(p, self.graphdef, batch) * loss_scale)(state["params"])
-    updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    # A non-finite step applies no update, so no state (and no checkpoint) ever holds one;
-    # train.on_nonfinite decides on the host what happens next.
-    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                     (params, opt_state), (state["params"], state["opt_state"]))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
-               "learning_rate": self.schedule(state["step"])}
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
-
   def device_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows -> global arrays sharded over (data, fsdp)."""
     return {key: jax.make_array_from_process_local_data(
@@ -232,8 +207,14 @@ class Trainer:
             for key, value in batch.items()}
 
   def train_step(self, state, batch):
+    """One step on this process's rows `batch` (the jitted program; no loop around it)."""
     with jax.set_mesh(self.mesh):
-      return self._train_step(state, self.device_batch(batch), jnp.float32(1.0))
+      return self._train_step(state, self.device_batch(batch))
+
+  def lower_step(self, state, batch):
+    """The train step lowered for `state` and the global `batch` (what the loop compiles)."""
+    with jax.set_mesh(self.mesh):
+      return self._train_step.lower(state, batch)
 
   def evaluate(self, params) -> float:
     """Mean loss over the fixed held-out batches."""
@@ -245,210 +226,152 @@ class Trainer:
       losses = [self._eval_executable(params, b) for b in batches]
     return float(np.mean([float(x) for x in losses]))
 
-  # -- loop ----------------------------------------------------------------------------------
+  # -- the loop ------------------------------------------------------------------------------
 
   def train(self, stop_at: int | None = None) -> dict:
     """Runs to `config.train.steps` (or stops after step `stop_at`, as a preempted run would).
 
     Returns the run summary, also written to WORKDIR/summary.json. Each step's finiteness is
     fetched one step late (while the next step runs), and before every log and save, so the
-    check adds no device sync; `train.on_nonfinite` then stops, skips or rolls back.
+    check adds no device sync; the non-finite policy then stops, skips or rolls back.
     """
-    cfg, t, hooks = self.config, self.config.train, self.hooks
-    is_main = jax.process_index() == 0
-    os.makedirs(self.workdir, exist_ok=True)
-    hooks.start(self.workdir)
-    # Spans of this rank's loop (WORKDIR/timeline) and the profiler window: resilience/.
-    tl = self.timeline = timeline_lib.start_for_trainer(self.workdir, self.mesh, hooks,
-                                                        enabled=t.timeline)
-    profiler = ProfilerWindow(t.profile_steps, t.steps, self.workdir, jax.process_index(), tl)
-    hooks.phase(events.RESTORING)
-    tl.phase("restore")
-    state, start = self.restore_or_init()
-    writer = _MetricsWriter(self.workdir, enabled=is_main, resume_step=start)
-    hooks.phase(events.COMPILING)
-    tl.phase("compile")
-    compile_start = time.perf_counter()
-    with jax.set_mesh(self.mesh):
-      first = self.device_batch(next(self.train_iter))
-      train_step, loaded = compile_cache.compile_or_load(
-          self._train_step.lower(state, first, jnp.float32(1.0)), "train_step", self.mesh.size)
-    compile_s = time.perf_counter() - compile_start
-    log.info("%s the train step in %.1f s", "loaded" if loaded else "compiled", compile_s)
-    hooks.phase(events.TRAINING)
-    history, timed = [], []   # timed: (steps, seconds) of each logged interval
-    self.nonfinite_steps, self.rollbacks = [], 0
-    bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
-               disable=(None if is_main else True) if self.show_progress is None
-               else not self.show_progress)
-    interval_start, interval_steps = time.perf_counter(), 0
-    end = t.steps if stop_at is None else min(stop_at, t.steps)
-    # The batch the step was compiled with is the first step's batch.
-    step, batch, unchecked = start, first, []
-    data_pos = self.train_iter.get_state()["step"]   # global batches taken so far
+    t = self.config.train
+    run = Run(self, Callbacks(self.standard_callbacks() + self.callbacks),
+              end=t.steps if stop_at is None else min(stop_at, t.steps))
     try:
-      while step < end:
-        done = step + 1
-        hooks.injector.before_step(done)
-        profiler.before_step(done)
-        tl.phase("data_wait", done)
-        wait_start = time.perf_counter()
-        if batch is None:
-          rows = next(self.train_iter)
-          tl.phase("host_to_device")
-          batch = self.device_batch(rows)
-          data_pos += 1
-        data_wait = time.perf_counter() - wait_start
-        tl.phase("dispatch")
+      step_program = self._start(run)
+      while run.step < run.end:
+        step = run.step + 1
+        run.callbacks.on_step_start(run, step)     # fault points, profiler window
+        batch, data_wait = self._next_batch(run, step)
+        run.phase("dispatch")
         with jax.set_mesh(self.mesh):
-          state, metrics = train_step(state, batch, jnp.float32(hooks.injector.loss_scale(done)))
-        tl.phase("host")
-        profiler.after_step(done, metrics)
-        batch = None
-        interval_steps += 1
-        logged = done % t.log_every == 0 or done == end or done == start + 1
-        saving = done % t.checkpoint_every == 0 or done == end
-        unchecked.append((done, metrics, data_wait, data_pos))
-        # Check the steps before this one now, this one too if it is logged or saved.
-        checks, unchecked = (unchecked, []) if logged or saving else (unchecked[:-1],
-                                                                      unchecked[-1:])
-        bad = self._check(checks)
-        if bad is not None and t.on_nonfinite == "rollback":
-          state, step = self._rollback(bad, writer, history)
-          data_pos = bad[1]
-          bar.n = step
-          unchecked, interval_steps, interval_start = [], 0, time.perf_counter()
-          continue
+          run.state, metrics = step_program(run.state, batch)
+        run.phase("host")
+        run.callbacks.on_step_dispatched(run, step, metrics)
+        run.interval_steps += 1
+        logged = step % t.log_every == 0 or step == run.end or step == run.start + 1
+        saving = step % t.checkpoint_every == 0 or step == run.end
+        run.pending.append(Pending(step, metrics, data_wait, run.data_pos))
+        # The steps before this one are fetched now; this one too if it is logged or saved.
+        if self._check(run, through_last=logged or saving):
+          continue                                   # the policy rolled back
         if logged:
-          tl.phase("log")
-          record = self._log(state, metrics, done, interval_steps, interval_start,
-                             self.peak.flops)
-          history.append(record)
-          timed.append((interval_steps, interval_steps * record["step_time_s"]))
-          writer.write(record)
-          bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                          mfu=f"{100 * record['mfu']:.2f}%")
-          if is_main:
-            bar.write(_format_record(record, t.steps))
-          interval_steps = 0
+          self._log(run, step, metrics)
         if saving:
-          hooks.phase(events.CHECKPOINTING)
-          tl.phase("checkpoint_stall")
-          self.checkpointer.save(done, state, self.train_iter.get_state(), cfg,
-                                 layer_layout=self.layer_layout)
-          tl.checkpoint_saved(self.checkpointer.saves[-1])
-          hooks.injector.after_save_started(done)
-          hooks.phase(events.TRAINING)
-        tl.phase("host")
-        if interval_steps == 0:
-          # Evaluation and checkpoint saves fall on logged steps (validate() ensures it), so
-          # restarting the clock here keeps them out of the throughput.
-          interval_start = time.perf_counter()
-        bar.update(1)
-        step = done
+          run.phase("checkpoint_stall")
+          run.callbacks.on_save(run, step)
+        run.phase("host")
+        if logged:
+          # Evaluation and saves fall on logged steps (validate() ensures it): restarting the
+          # clock after them keeps them out of the throughput.
+          run.restart_interval()
+        run.step = step
+    except BaseException as error:
+      run.callbacks.on_error(run, error)
+      raise
     finally:
-      profiler.stop()
-      bar.close()
-      self.checkpointer.close()
-      tl.close()
-      writer.close()
+      run.callbacks.on_loop_end(run)
       self.train_iter.close()
-    summary = self._summary(history, timed, compile_s, start)
-    if is_main:
+    summary = self._summary(run)
+    if self.is_main:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    hooks.close()
-    self.final_state = state
+    run.callbacks.on_run_end(run, summary)
+    self.final_state = run.state
     return summary
 
-  def _check(self, checks) -> tuple[int, int] | None:
-    """Fetches the finiteness of `checks` [(step, metrics, data wait, data position)].
+  def _start(self, run: Run):
+    """Restores (or creates) the state, compiles the step on the first batch; returns it."""
+    os.makedirs(self.workdir, exist_ok=True)
+    run.callbacks.on_run_start(run)
+    run.phase("restore")
+    run.state, run.start = self.restore_or_init()
+    run.step = run.start
+    run.phase("compile")
+    compile_start = time.perf_counter()
+    run.batch = self.device_batch(next(self.train_iter))   # the first step's batch
+    program, loaded = compile_cache.compile_or_load(
+        self.lower_step(run.state, run.batch), "train_step", self.mesh.size)
+    run.compile_s = time.perf_counter() - compile_start
+    log.info("%s the train step in %.1f s", "loaded" if loaded else "compiled", run.compile_s)
+    run.data_pos = self.train_iter.get_state()["step"]   # global batches taken so far
+    run.callbacks.on_loop_start(run)
+    run.restart_interval()
+    return program
 
-    Reports progress; returns (step, data position after its batch) of the first non-finite
-    step (policy 'stop' raises NonFiniteError instead), or None.
-    """
-    policy = self.config.train.on_nonfinite
-    for done, metrics, data_wait, data_pos in checks:
-      self.timeline.phase("sync")
+  def _next_batch(self, run: Run, step: int):
+    """(the step's global batch, seconds waited for it): the compile's batch first."""
+    run.phase("data_wait", step)
+    wait_start = time.perf_counter()
+    if run.batch is None:
+      rows = next(self.train_iter)
+      run.phase("host_to_device")
+      run.batch = self.device_batch(rows)
+      run.data_pos += 1
+    batch, run.batch = run.batch, None
+    return batch, time.perf_counter() - wait_start
+
+  def _check(self, run: Run, through_last: bool) -> bool:
+    """Fetches the pending steps' results (all, or all but the newest), tells the callbacks,
+    and hands a non-finite one to the policy; True if the policy rewound the run."""
+    checks = run.pending if through_last else run.pending[:-1]
+    run.pending = [] if through_last else run.pending[-1:]
+    rewinds = run.rewinds
+    for p in checks:
+      run.phase("sync")
       finite, loss, grad_norm = jax.device_get(
-          (metrics["finite"], metrics["loss"], metrics["grad_norm"]))
-      self.timeline.phase("host")
-      self.hooks.progress(done, float(loss), float(grad_norm), data_wait)
-      self.hooks.injector.slow_down(done)
-      if finite:
-        continue
-      detail = f"loss {float(loss)}, gradient norm {float(grad_norm)}"
-      self.nonfinite_steps.append(done)
-      self.hooks.nonfinite(done)
-      if policy == "stop":
-        self.hooks.failure(events.NONFINITE, detail, step=done)
-        raise NonFiniteError(done, detail)
-      log.warning("step %d: %s; its update was not applied (%s)", done, detail, policy)
-      if policy == "rollback":
-        return done, data_pos
-    return None
+          (p.metrics["finite"], p.metrics["loss"], p.metrics["grad_norm"]))
+      run.phase("host")
+      checked = Checked(p.step, float(loss), float(grad_norm), bool(finite), p.data_wait_s,
+                        p.data_pos)
+      if not checked.finite:
+        run.nonfinite_steps.append(p.step)
+      run.callbacks.on_step_checked(run, checked)
+      if not checked.finite:
+        self.nonfinite_policy.handle(run, checked)
+        if run.rewinds != rewinds:
+          return True
+    return False
 
-  def _rollback(self, bad: tuple[int, int], writer, history) -> tuple[dict, int]:
-    """(state, step) of the latest checkpoint (or a fresh start), with the data moved past
-    the offending batch; the logs of the abandoned steps are dropped."""
-    bad_step, data_pos = bad
-    self.checkpointer.wait()
-    step = self.checkpointer.latest_step() or 0
-    self.rollbacks += 1
-    if self.rollbacks > MAX_ROLLBACKS:
-      self.hooks.failure(events.NONFINITE, f"{self.rollbacks - 1} rollbacks", step=bad_step)
-      raise NonFiniteError(bad_step, f"still non-finite after {MAX_ROLLBACKS} rollbacks")
-    self.hooks.phase(events.RESTORING)
-    self.timeline.phase("restore")
-    if step:
-      state = self._restore(step)
-    else:
-      state = self.init_state()
-    data_state = self.train_iter.get_state()
-    self.train_iter.set_state({**data_state, "step": data_pos})
-    log.warning("rolled back to step %d; the data goes on after step %d's batch",
-                step, bad_step)
-    writer.rewind(step)
-    history[:] = [r for r in history if r["step"] <= step]
-    self.hooks.rewind(step)
-    self.hooks.phase(events.TRAINING)
-    return state, step
-
-  def _log(self, state, metrics, step: int, steps: int, since: float, peak: float) -> dict:
-    """The record of one logged step: metrics of `step`, throughput of the `steps` since `since`.
+  def _log(self, run: Run, step: int, metrics) -> None:
+    """The record of logged step `step`: its metrics, the throughput of the interval that
+    ends with it, and the held-out loss when due; handed to the callbacks (`on_log`).
 
     Fetching the metrics waits for the step to finish, so the interval is timed after it.
     """
+    run.phase("log")
     metrics = jax.device_get(metrics)
-    elapsed = time.perf_counter() - since
+    steps, elapsed = run.interval_steps, time.perf_counter() - run.interval_start
     tokens_per_s = steps * self.config.train.global_batch * self.config.model.seq_len / elapsed
     record = {"step": step, "loss": float(metrics["loss"]),
               "grad_norm": float(metrics["grad_norm"]),
               "learning_rate": float(metrics["learning_rate"]),
               "step_time_s": elapsed / steps, "tokens_per_s": tokens_per_s,
-              "mfu": tokens_per_s * self.flops_per_token / peak, "time": time.time()}
+              "mfu": tokens_per_s * self.flops_per_token / self.peak.flops, "time": time.time()}
     t = self.config.train
     if step % t.eval_every == 0 or step == t.steps:
-      self.hooks.phase(events.EVALUATING)
-      self.timeline.phase("eval")
-      record["eval_loss"] = self.evaluate(state["params"])
-      self.hooks.phase(events.TRAINING)
-    return record
+      run.phase("eval")
+      record["eval_loss"] = self.evaluate(run.state["params"])
+      run.phase("log")
+    run.history.append(record)
+    run.timed.append((steps, steps * record["step_time_s"]))
+    run.callbacks.on_log(run, record)
 
-  def _summary(self, history, timed, compile_s: float, start: int) -> dict:
+  def _summary(self, run: Run) -> dict:
     # The first logged interval (one step, right after compilation) is warm-up: leave it out.
-    steady = timed[1:] or timed
+    steady = run.timed[1:] or run.timed
     tokens_per_step = self.config.train.global_batch * self.config.model.seq_len
     mean_tps = (sum(n for n, _ in steady) * tokens_per_step / sum(t for _, t in steady)
                 if steady else 0.0)
-    peak = self.peak
+    peak, history = self.peak, run.history
     evals = [r["eval_loss"] for r in history if "eval_loss" in r]
     return {
         "config": self.config.name,
         "devices": f"{len(self.devices)} x {self.devices[0].device_kind}",
         "mesh": dict(self.mesh.shape),
         "num_params": self.num_params,
-        "start_step": start,
+        "start_step": run.start,
         "steps": self.config.train.steps,
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
@@ -462,81 +385,16 @@ class Trainer:
         "mfu": mean_tps * self.flops_per_token / peak.flops,
         "peak_flops": peak.flops,
         "peak_source": peak.source,
-        "compile_s": compile_s,
+        "compile_s": run.compile_s,
         "data": self.corpus.description,
         "workdir": self.workdir,
         "metrics": os.path.join(self.workdir, "metrics.jsonl"),
         "tensorboard": os.path.join(self.workdir, "tensorboard"),
         "checkpoints": self.checkpointer.directory,
-        "nonfinite_steps": self.nonfinite_steps,
+        "nonfinite_steps": run.nonfinite_steps,
         "on_nonfinite": self.config.train.on_nonfinite,
-        "rollbacks": self.rollbacks,
+        "rollbacks": run.rollbacks,
         # Per save: seconds the loop was blocked, then seconds of background write.
         "checkpoint_saves": self.checkpointer.saves,
         "restore_s": self.checkpointer.restore_s,
     }
-
-
-def _format_record(r: dict, total: int) -> str:
-  line = (f"step {r['step']:>6}/{total}  loss {r['loss']:.4f}  gnorm {r['grad_norm']:.3f}  "
-          f"lr {r['learning_rate']:.2e}  {1e3 * r['step_time_s']:.0f} ms/step  "
-          f"{r['tokens_per_s']:,.0f} tok/s  MFU {100 * r['mfu']:.2f}%")
-  if "eval_loss" in r:
-    line += f"  eval {r['eval_loss']:.4f}"
-  return line
-
-
-class _MetricsWriter:
-  """metrics.jsonl (one JSON object per logged step) and TensorBoard scalars.
-
-  A run resumed (or rolled back) at step N replays the steps after N: their records from the
-  lost run are dropped from metrics.jsonl, and TensorBoard is told to purge events from step
-  N + 1 on, so each step appears once.
-  """
-
-  def __init__(self, workdir: str, enabled: bool, resume_step: int = 0):
-    self.enabled = enabled
-    self.workdir = workdir
-    if enabled:
-      self._open(resume_step)
-
-  def _open(self, resume_step: int) -> None:
-    from tensorboardX import SummaryWriter
-    path = os.path.join(self.workdir, "metrics.jsonl")
-    if os.path.exists(path):
-      with open(path) as f:
-        kept = [line for line in f if _step_of(line) <= resume_step]
-      with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-      os.replace(path + ".tmp", path)
-    self._jsonl = open(path, "a")
-    self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"),
-                             purge_step=resume_step + 1 if resume_step else None)
-
-  def rewind(self, step: int) -> None:
-    """Forgets every record after `step` (the run went back there)."""
-    if self.enabled:
-      self.close()
-      self._open(step)
-
-  def write(self, record: dict) -> None:
-    if not self.enabled:
-      return
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
-    for key, value in record.items():
-      if key != "step":
-        self._tb.add_scalar(key, value, record["step"])
-
-  def close(self) -> None:
-    if self.enabled:
-      self._jsonl.close()
-      self._tb.close()
-
-
-def _step_of(line: str) -> float:
-  """The step of a metrics.jsonl line; infinity for a torn line (a kill mid-write)."""
-  try:
-    return json.loads(line)["step"]
-  except (ValueError, KeyError):
-    return float("inf")

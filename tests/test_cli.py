@@ -15,6 +15,7 @@ def run_train(*args, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_trains_a_few_steps_end_to_end(tmp_path):
   result = run_train("--config.train.steps=4", "--config.train.log_every=2",
                      "--config.train.eval_every=4", "--config.train.checkpoint_every=4",
@@ -37,13 +38,15 @@ def test_trains_a_few_steps_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("args,field", [
     (["--config.model.block=diagonal"], "model.block='diagonal'"),
-    (["--config.mesh.data=3", "--config.mesh.shrink_to_fit=False"], "mesh="),
-    (["--config.model.num_heads=6", "--config.model.hidden=96"], "model.num_heads=6"),
-    (["--config.data.kind=tokens", "--config.data.path=/no/such/file"], "data.path="),
-    (["--config.model.attention_window=0"], "model.attention_window=0"),
-    (["--config.mesh.stage=2", "--config.mesh.tensor=2", "--config.model.num_layers=4",
-      "--config.pipeline.schedule=interleaved_1f1b", "--config.pipeline.virtual_stages=2",
-      "--config.pipeline.microbatches=3"], "pipeline.microbatches=3"),
+    # Each case is a fresh Python process (~2 s): the fast tier runs the first.
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in [
+        (["--config.mesh.data=3", "--config.mesh.shrink_to_fit=False"], "mesh="),
+        (["--config.model.num_heads=6", "--config.model.hidden=96"], "model.num_heads=6"),
+        (["--config.data.kind=tokens", "--config.data.path=/no/such/file"], "data.path="),
+        (["--config.model.attention_window=0"], "model.attention_window=0"),
+        (["--config.mesh.stage=2", "--config.mesh.tensor=2", "--config.model.num_layers=4",
+          "--config.pipeline.schedule=interleaved_1f1b", "--config.pipeline.virtual_stages=2",
+          "--config.pipeline.microbatches=3"], "pipeline.microbatches=3")]],
 ])
 def test_bad_config_is_one_line_and_exit_2(args, field, tmp_path):
   result = run_train(*args, f"--workdir={tmp_path}", timeout=120)

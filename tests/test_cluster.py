@@ -6,8 +6,8 @@ import sys
 import threading
 
 from mscale_jax.resilience import events
-from mscale_jax.resilience.driver import Driver, DriverOptions, free_port
-from mscale_jax.resilience.worker import WorkerHooks
+from mscale_jax.resilience.driver.supervisor import Driver, DriverOptions, free_port
+from mscale_jax.resilience.worker.heartbeat import HeartbeatClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--num_processes=4", "--devices_per_process=8", "--coordinator_port=1234",
@@ -77,7 +77,7 @@ def _watch(tmp_path, attempt, worker_script):
   watcher = threading.Thread(target=lambda: result.update(
       report=Driver(options, out=open(os.devnull, "w")).watch(attempt)))
   watcher.start()
-  hooks = [WorkerHooks(rank=r, heartbeat_url=url, interval_s=60, attempt=attempt)
+  hooks = [HeartbeatClient(rank=r, heartbeat_url=url, interval_s=60, attempt=attempt)
            for r in range(2)]
   while watcher.is_alive() and not result:   # posts until the watcher has decided
     worker_script(hooks)

@@ -47,6 +47,7 @@ def test_cadence_that_cannot_be_split_four_ways_is_a_config_error():
     variant_config(settings, FIGURES["fig10b"][1], seed=0)
 
 
+@pytest.mark.slow
 def test_quick_run_writes_record_plots_and_table(tmp_path):
   tiny = ["--config.quick.seeds=2", "--config.quick.window=8",
           "--config.quick.run.model.hidden=32", "--config.quick.run.model.mlp_dim=64",

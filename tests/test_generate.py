@@ -6,7 +6,7 @@ import pytest
 from mscale_jax import generate
 from mscale_jax.config import ModelConfig
 from mscale_jax.errors import ConfigError
-from mscale_jax.train import abstract_model
+from mscale_jax.model import abstract_model
 
 MODELS = {
     # Sequential block, full attention, learned positions, layers scanned.

@@ -15,9 +15,9 @@ BASE = dict(num_layers=1, hidden=32, num_heads=4, mlp_dim=64, seq_len=32, attent
 
 
 @pytest.mark.parametrize("kernels,norm", [
-    (dict(attention_impl="pallas"), "layernorm"),
+    pytest.param(dict(attention_impl="pallas"), "layernorm", marks=pytest.mark.slow),
     (dict(norm_impl="pallas"), "layernorm"),
-    (dict(norm_impl="pallas"), "rmsnorm"),
+    pytest.param(dict(norm_impl="pallas"), "rmsnorm", marks=pytest.mark.slow),
 ])
 def test_pallas_kernels_in_the_model_match_xla(kernels, norm):
   tokens = jax.random.randint(jax.random.key(4), (4, BASE["seq_len"] + 1), 0, 256)

@@ -162,6 +162,7 @@ def _per_slice_lamb(learning_rate, params, grads_seq, **kwargs):
   return _unslice(flat, params)
 
 
+@pytest.mark.slow
 def test_stacked_tensors_get_one_trust_ratio_per_layer():
   params = _stacked_tree(0)
   grads_seq = [_stacked_tree(100 + i, scale=0.1) for i in range(2)]
@@ -188,6 +189,7 @@ def test_stacked_tensors_get_one_trust_ratio_per_layer():
     assert max(errors) > 1.0, (name, errors)
 
 
+@pytest.mark.slow
 def test_stacked_sharded_on_layers_and_inside_layers():
   # Layers split over 'data' (whole slices per device), each slice split over 'tensor': the
   # per-layer norms are summed over 'tensor' only.

@@ -13,6 +13,7 @@ def test_there_are_notebooks():
   assert {p.stem for p in NOTEBOOKS} >= {"collective_matmul", "flash_attention", "lamb"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch):
   # The kernel is a fresh process: it finds the repository through PYTHONPATH and starts

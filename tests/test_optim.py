@@ -202,7 +202,7 @@ def test_masks_from_hand_built_names():
 
 def test_masks_from_real_model_names():
   from mscale_jax.config import ModelConfig
-  from mscale_jax.train import abstract_model
+  from mscale_jax.model import abstract_model
   _, params, names = abstract_model(ModelConfig(num_layers=3, hidden=32, num_heads=4,
                                                 mlp_dim=64, seq_len=16))
   flat = lambda tree: {jax.tree_util.keystr(path): value for path, value
@@ -270,11 +270,12 @@ def test_names_that_do_not_fit_the_params_raise():
     tx.update(params, tx.init(params), params)
 
 
+@pytest.mark.slow
 def test_real_model_names_and_shardings_on_a_mesh():
   # What the trainer does: names and shardings from the model, a 2 x 4 (data x tensor) mesh.
   from mscale_jax import mesh as mesh_lib
   from mscale_jax.config import ModelConfig
-  from mscale_jax.train import abstract_model
+  from mscale_jax.model import abstract_model
   _, abstract, names = abstract_model(ModelConfig(num_layers=2, hidden=32, num_heads=4,
                                                   mlp_dim=64, seq_len=16))
   mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 1, "stage": 1, "tensor": 4})

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from mscale_jax.errors import ConfigError
-from mscale_jax.resilience import events, selfcheck
+from mscale_jax.resilience import events
+from mscale_jax.resilience.worker import selfcheck
 from mscale_jax.resilience.faults import parse_fault, parse_faults
-from mscale_jax.resilience.server import HeartbeatServer
-from mscale_jax.resilience.worker import WorkerHooks
+from mscale_jax.resilience.driver.server import HeartbeatServer
+from mscale_jax.resilience.worker.heartbeat import HeartbeatClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,7 +85,7 @@ def test_the_group_self_check_runs_every_probe_and_agrees_on_a_verdict(tmp_path,
 def test_heartbeats_reach_the_server_and_carry_the_failure():
   server = HeartbeatServer()
   try:
-    hooks = WorkerHooks(rank=1, heartbeat_url=server.url, interval_s=60, attempt=2, slot=3)
+    hooks = HeartbeatClient(rank=1, heartbeat_url=server.url, interval_s=60, attempt=2, slot=3)
     hooks.phase(events.TRAINING)
     hooks.progress(7, 2.5, 0.9, 0.01)
     hooks.post()
@@ -144,9 +145,10 @@ def compilation_cache(tmp_path_factory):
 
 
 def _train(config, workdir, faults=()):
+  from mscale_jax.callbacks.worker import FaultInjection
   from mscale_jax.train import Trainer
-  hooks = WorkerHooks(faults=parse_faults(faults))
-  return Trainer(config, str(workdir), hooks=hooks, show_progress=False)
+  return Trainer(config, str(workdir), callbacks=[FaultInjection(parse_faults(faults))],
+                 show_progress=False)
 
 
 def _policy_config(tiny_config, policy):
@@ -254,7 +256,7 @@ def test_worker_with_an_unreachable_coordinator_is_one_line_and_exit_2(tmp_path)
 
 def test_faults_fire_once_on_their_rank_and_slow_ranks_sleep(tmp_path):
   import time
-  from mscale_jax.resilience.faults import FaultInjector
+  from mscale_jax.resilience.worker.faults import FaultInjector
   faults = parse_faults(["nan:step=3", "exception:rank=1:step=2", "slow:rank=1:factor=3:step=4"])
   rank0 = FaultInjector(faults, 0, str(tmp_path))
   rank1 = FaultInjector(faults, 1, str(tmp_path))
@@ -262,8 +264,8 @@ def test_faults_fire_once_on_their_rank_and_slow_ranks_sleep(tmp_path):
   with pytest.raises(RuntimeError, match="injected fault exception"):
     rank1.before_step(2)
   rank1.before_step(2)                       # fired once: a replayed step 2 passes
-  assert [rank0.loss_scale(s) for s in (2, 4)] == [1.0, 1.0]
-  assert np.isnan(rank0.loss_scale(3)) and rank0.loss_scale(3) == 1.0
+  assert [rank0.poisons(s) for s in (2, 4)] == [False, False]
+  assert rank0.poisons(3) and not rank0.poisons(3)
   marker = json.load(open(tmp_path / "0-nan-rank0.json"))
   assert marker["step"] == 3 and marker["fault"] == "nan:step=3"
   rank1.slow_down(3)                         # before its first step: starts the clock

@@ -48,6 +48,7 @@ def test_restores_parameters_of_any_mesh_onto_one_device(run_dir):
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored), params)
 
 
+@pytest.mark.slow
 def test_cli_continues_the_prompt(run_dir):
   workdir, _ = run_dir
   result = run_sample(f"--workdir={workdir}", "--prompt=def f(x):", "--max_new_tokens=12",
@@ -60,8 +61,10 @@ def test_cli_continues_the_prompt(run_dir):
 @pytest.mark.parametrize("args,message", [
     (["--workdir=/no/such/run"], "--workdir='/no/such/run'"),
     (["--workdir={empty}"], "checkpoint"),
-    (["--workdir={run}", "--tokenizer=ids", "--prompt=3 256"], "prompt='token 256'"),
-    (["--workdir={run}", "--max_new_tokens=40"], "max_new_tokens=40"),
+    pytest.param(["--workdir={run}", "--tokenizer=ids", "--prompt=3 256"], "prompt='token 256'",
+                 marks=pytest.mark.slow),
+    pytest.param(["--workdir={run}", "--max_new_tokens=40"], "max_new_tokens=40",
+                 marks=pytest.mark.slow),
 ])
 def test_bad_requests_print_one_line_and_exit_2(run_dir, tmp_path, args, message):
   workdir, _ = run_dir

@@ -3,7 +3,7 @@ import json
 import os
 import sys
 
-from mscale_jax.resilience.standby import StandbyPool, module_of
+from mscale_jax.resilience.driver.standby import StandbyPool, module_of
 
 TARGET = '''
 import json, os, sys

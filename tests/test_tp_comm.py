@@ -1,4 +1,7 @@
-"""The model gives the same numbers with every collective-matmul strategy (config.model.tp_comm)."""
+"""The model gives the same numbers with every collective-matmul strategy (config.model.tp_comm).
+
+All `slow` (whole-model compiles, three strategies each): the fast tier tests the strategies
+themselves in test_collective_matmul.py, down to the tensor-parallel layer."""
 
 import jax
 import numpy as np
@@ -11,6 +14,7 @@ from test_model import loss_and_grads, max_rel_err
 MESH = dict(data=2, fsdp=1, stage=1, tensor=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", ["parallel", "sequential"])
 def test_loss_and_grads_match_xla(block):
   def config(tp_comm):
@@ -24,6 +28,7 @@ def test_loss_and_grads_match_xla(block):
     assert max_rel_err(ref_grads, grads) < 1e-5, tp_comm
 
 
+@pytest.mark.slow
 def test_ten_training_steps_follow_the_same_curve(tiny_config, tmp_path):
   # The trainer's own step on its own batches, without the loop's evaluation and saves.
   curves = {}

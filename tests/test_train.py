@@ -46,6 +46,7 @@ def test_exact_resume_is_bitwise(tiny_config, tmp_path):
   assert want[20]["loss"] < want[5]["loss"]
 
 
+@pytest.mark.slow
 def test_restore_into_a_different_mesh(tiny_config, tmp_path):
   """Saved on (data=2, tensor=4), restored on (data=4, tensor=2) with the same values."""
   saved = Trainer(tiny_config(mesh=dict(data=2, tensor=4), train=dict(steps=3)), tmp_path,
@@ -74,3 +75,55 @@ def test_resuming_another_model_shape_is_a_config_error(tiny_config, tmp_path):
   with pytest.raises(ConfigError, match="model.hidden=64.*hidden=32"):
     Trainer(tiny_config(model=dict(hidden=64), train=dict(steps=3)), tmp_path,
             show_progress=False)
+
+
+_STEP_PROGRAMS = """
+import json, sys
+from mscale_jax.config import Config
+from mscale_jax.train import Trainer
+config, workdir = Config.from_dict(json.loads(sys.argv[1])), sys.argv[2]
+
+def lowered_step(name, callbacks=()):
+  trainer = Trainer(config, f"{workdir}/{name}", show_progress=False, callbacks=callbacks)
+  text = trainer.lower_step(trainer.init_state(),
+                            trainer.device_batch(next(trainer.train_iter))).as_text()
+  trainer.train_iter.close()
+  return text
+
+plain = lowered_step("plain")
+loaded = sorted(m for m in sys.modules if m.startswith("mscale_jax") and "worker" in m)
+from mscale_jax import compile_cache
+from mscale_jax.callbacks.worker import FaultInjection
+from mscale_jax.resilience.faults import parse_faults
+unarmed = lowered_step("unarmed", [FaultInjection([])])
+compiled, compile_or_load = [], compile_cache.compile_or_load
+def spy(lowered, name, num_devices):
+  if name == "train_step":
+    compiled.append(lowered.as_text())
+  return compile_or_load(lowered, name, num_devices)
+compile_cache.compile_or_load = spy
+armed = Trainer(config, f"{workdir}/armed", show_progress=False,
+                callbacks=[FaultInjection(parse_faults(["nan:step=2"]))])
+summary = armed.train()
+print(json.dumps({"loaded_before": loaded, "unarmed_same": unarmed == plain,
+                  "armed_run_compiled_plain": compiled == [plain],
+                  "nonfinite_steps": summary["nonfinite_steps"]}))
+"""
+
+
+def test_the_fault_machinery_leaves_the_compiled_step_alone(tiny_config, tmp_path):
+  """The train step lowers to the same program text without the fault machinery imported,
+  with it loaded but unarmed, and in a run where a `nan` fault poisons step 2 (a fresh process,
+  so that nothing else has imported the machinery)."""
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config = tiny_config(train=dict(steps=3, log_every=1, eval_every=3, checkpoint_every=3,
+                                  on_nonfinite="skip_step"))
+  result = subprocess.run([sys.executable, "-c", _STEP_PROGRAMS, json.dumps(config.to_dict()),
+                           str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=repo))
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  assert out == {"loaded_before": [], "unarmed_same": True, "armed_run_compiled_plain": True,
+                 "nonfinite_steps": [2]}

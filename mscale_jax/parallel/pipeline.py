@@ -35,8 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mscale_jax.mesh import constrain
-from mscale_jax.model import RESIDUAL
+from mscale_jax.mesh import RESIDUAL, constrain
 from mscale_jax.parallel import schedule as schedule_lib
 
 AXIS = "stage"
@@ -170,7 +169,13 @@ def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtu
 
 
 def _per_stage(blocks, shared, batch, *, graphdef, plan: Plan, overlap: bool):
-  """One stage's program: the scan over ticks. `blocks` is this stage's [v * L_c, ...]."""
+  """One stage's program: the scan over ticks. `blocks` is this stage's [v * L_c, ...].
+
+  Long on purpose: the tick's five branches (idle, forward, forward of the last chunk,
+  backward, backward with the loss) are closures over the tick's own locals (its chunk,
+  microbatch, stash slot, received activations), so they live inside `tick`, beside the sends
+  and receives that follow them.
+  """
   table = plan.table
   p, v, m = table.stages, table.virtual, table.microbatches
   stage = jax.lax.axis_index(AXIS)

@@ -1,11 +1,15 @@
 """Keeping a multi-process job alive (MegaScale §4): heartbeats, detection, self-checks, restart.
 
-  events.py     the one definition of a heartbeat and of a failure (trainer and driver share it)
-  worker.py     a worker joins the job (jax.distributed) and reports heartbeats; trainer hooks
-  faults.py     fault injection for drills and tests (--fault=kill:rank=1:step=37, ...)
-  server.py     the driver's HTTP/JSON heartbeat endpoint
-  selfcheck.py  diagnostics a restarted group runs first: matmul rate, all-gather, ckpt-dir write
-  standby.py    warm standby worker processes (libraries imported) that restarts start from
-  driver.py     starts and supervises the worker group, restarts it from the latest checkpoint
-  cluster.py    Slurm batch script and Kubernetes JobSet manifest from the launcher's flags
+Two rooms over one shared floor:
+
+  events.py   the one definition of a heartbeat and of a failure (worker and driver share it)
+  faults.py   the fault grammar (--fault=kill:rank=1:step=37, ...): what a fault is, who
+              injects it
+  worker/     what runs inside a training process: joining `jax.distributed`, the heartbeat
+              client, injecting faults, the self-check probes a restarted group runs
+  driver/     the supervisor outside the workers: it starts, watches and restarts the group
+              (its HTTP heartbeat server, warm standby processes, Slurm/Kubernetes job files)
+
+`worker/` and `driver/` never import each other; what the driver sees of a worker's loop
+(straggler detection, hang localisation, the merged timeline) is `mscale_jax/observability/`.
 """

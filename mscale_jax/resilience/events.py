@@ -74,7 +74,7 @@ class Heartbeat:
   time: float = dataclasses.field(default_factory=time.time)
   log_tail: list[str] = dataclasses.field(default_factory=list)
   failure: dict[str, Any] | None = None
-  # Observability (timeline.py, straggler.py, hang.py): each loop iteration's phase seconds
+  # Observability (observability/: phases, straggler, hang): each loop iteration's phase seconds
   # since the previous heartbeat [[step, {phase: s}], ...], where the loop is now
   # [phase, step, seconds in it], and host probes {probe_ms, cpu_frac, rss_mb}.
   step_phases: list = dataclasses.field(default_factory=list)

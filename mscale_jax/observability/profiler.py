@@ -15,9 +15,9 @@ from mscale_jax.config import profile_window
 class ProfilerWindow:
   """Starts the trace before step START is dispatched, stops it once step END is done."""
 
-  def __init__(self, spec: str, steps: int, workdir: str, rank: int, timeline=None):
+  def __init__(self, spec: str, steps: int, workdir: str, rank: int, phase=None):
     self.window = profile_window(spec, steps)
-    self.timeline = timeline   # starting and stopping show as 'profile' spans
+    self.phase = phase   # the loop's PhaseMachine.phase: starting and stopping are 'profile'
     self.directory = os.path.join(workdir, "profile", f"rank{rank}")
     self.rank = rank
     self.active = False
@@ -39,8 +39,8 @@ class ProfilerWindow:
       self._phase("host")
 
   def _phase(self, name: str) -> None:
-    if self.timeline is not None:
-      self.timeline.phase(name)
+    if self.phase is not None:
+      self.phase(name)
 
   def stop(self) -> None:
     if self.active:

@@ -2,9 +2,9 @@
 normalised across ranks, each rank's distance from the others, and a flag only when a rank stays
 abnormal for a continuity window.
 
-Pure numpy; the driver feeds it what heartbeats carry (resilience/driver.py):
+Pure numpy; the driver feeds it what heartbeats carry (through observer.py):
 
-* per loop iteration, each rank's seconds in its own-work phases (timeline.py: data_wait,
+* per loop iteration, each rank's seconds in its own-work phases (phases.py: data_wait,
   host_to_device, host, log, eval, checkpoint_stall). Wait phases (dispatch, sync) are left out:
   in synchronous training the fast ranks wait there for the slow one, so they mirror a
   straggler instead of pointing at it. A rank's distance on a metric is its excess over the

@@ -18,10 +18,12 @@ import re
 import numpy as np
 
 from mscale_jax.files import write_json
-from mscale_jax.resilience import timeline as timeline_lib
+from mscale_jax.observability import heatmap
+from mscale_jax.observability import phases as phases_lib
+from mscale_jax.observability import timeline as timeline_lib
 
 DRIVER_PID = -1
-_TIDS = {timeline_lib.LOOP: 0, timeline_lib.CHECKPOINT: 1}
+_TIDS = {phases_lib.LOOP: 0, phases_lib.CHECKPOINT: 1}
 
 
 def load(run_dir: str) -> dict:
@@ -83,32 +85,14 @@ def chrome_trace(data: dict) -> dict:
                         "offset the driver measured from its heartbeats (clock_offsets.json)"}}
 
 
-def per_iteration(spans: list[dict]) -> dict[int, dict[str, float]]:
-  """{step: {phase: seconds}} of one rank's loop spans (the last attempt's replay wins)."""
-  out = collections.defaultdict(dict)
-  for s in spans:
-    if s["track"] == timeline_lib.LOOP and s["step"] is not None and \
-        s["name"] in timeline_lib.LOOP_PHASES:
-      phases = out[s["step"]]
-      phases[s["name"]] = phases.get(s["name"], 0.0) + s["end"] - s["start"]
-  return dict(out)
-
-
-def own_time(phases: dict[str, float]) -> float:
-  """Seconds of an iteration this rank spent on its own work (not waiting for devices/peers),
-  without the occasional log/eval/checkpoint (they would stripe every rank alike)."""
-  return sum(v for k, v in phases.items()
-             if k not in timeline_lib.WAIT_PHASES + ("log", "eval", "checkpoint_stall"))
-
-
 def summarize(data: dict) -> dict:
   """Per rank: iterations, mean seconds per phase per iteration, own time, one-off phases;
   per phase: the rank furthest above the median of the others."""
   ranks = {}
   for rank, d in data["ranks"].items():
-    iters = per_iteration(d["spans"])
+    iters = timeline_lib.per_iteration(d["spans"])
     steps = sorted(iters)
-    phases = sorted({p for v in iters.values() for p in v}, key=timeline_lib.LOOP_PHASES.index)
+    phases = sorted({p for v in iters.values() for p in v}, key=phases_lib.LOOP_PHASES.index)
     once = collections.defaultdict(float)
     for s in d["spans"]:
       if s["name"] in ("compile", "restore", "checkpoint_write", "profile"):
@@ -119,11 +103,12 @@ def summarize(data: dict) -> dict:
         "mean_s": {p: float(np.mean([iters[s].get(p, 0.0) for s in steps])) for p in phases},
         "mean_iteration_s": float(np.mean([sum(iters[s].values()) for s in steps]))
         if steps else None,
-        "mean_own_s": float(np.mean([own_time(iters[s]) for s in steps])) if steps else None,
+        "mean_own_s": float(np.mean([timeline_lib.own_time(iters[s]) for s in steps]))
+        if steps else None,
         "total_s": dict(once),
     }
   outliers = {}
-  for phase in timeline_lib.LOOP_PHASES:
+  for phase in phases_lib.LOOP_PHASES:
     values = {r: v["mean_s"][phase] for r, v in ranks.items() if phase in v["mean_s"]}
     if len(values) < 2:
       continue
@@ -137,7 +122,6 @@ def summarize(data: dict) -> dict:
 def merge(run_dir: str) -> dict:
   """Writes trace.json and summary.json (and the heat-map) under RUN_DIR/timeline; returns
   {'trace', 'summary', 'heatmap': paths, 'data', 'summary_data'}."""
-  from mscale_jax.resilience import heatmap
   directory = os.path.join(run_dir, "timeline")
   data = load(run_dir)
   if not data["ranks"]:

@@ -3,22 +3,22 @@ bright row. Left: each rank's own time per iteration (its work outside waiting f
 and peers); right: ranks x phase, mean seconds per iteration."""
 import numpy as np
 
-from mscale_jax.resilience import timeline as timeline_lib
-from mscale_jax.resilience import trace as trace_lib
+from mscale_jax.observability import phases as phases_lib
+from mscale_jax.observability import timeline as timeline_lib
 
 
 def matrices(data: dict):
   """(ranks, steps, own [ranks, steps] seconds (NaN where a rank has no such step),
   phases, phase means [ranks, phases] seconds) of `trace.load()`'s data."""
-  per_rank = {r: trace_lib.per_iteration(d["spans"]) for r, d in data["ranks"].items()}
+  per_rank = {r: timeline_lib.per_iteration(d["spans"]) for r, d in data["ranks"].items()}
   ranks = sorted(per_rank)
   steps = sorted({s for iters in per_rank.values() for s in iters})
   own = np.full((len(ranks), len(steps)), np.nan)
   column = {s: j for j, s in enumerate(steps)}
   for i, r in enumerate(ranks):
     for s, phases in per_rank[r].items():
-      own[i, column[s]] = trace_lib.own_time(phases)
-  phases = [p for p in timeline_lib.LOOP_PHASES
+      own[i, column[s]] = timeline_lib.own_time(phases)
+  phases = [p for p in phases_lib.LOOP_PHASES
             if any(p in v for iters in per_rank.values() for v in iters.values())]
   means = np.array([[np.mean([v.get(p, 0.0) for v in per_rank[r].values()]) if per_rank[r]
                      else np.nan for p in phases] for r in ranks]).reshape(len(ranks), len(phases))

@@ -4,7 +4,7 @@ A worker's first seconds go to importing JAX, Flax, Optax, Orbax and the trainer
 keeps a pool of standby processes that have paid that already (`StandbyPool`, filled once a
 group is training, so the imports never compete with a group's start-up): each ran
 
-  python -m mscale_jax.resilience.standby MODULE
+  python -m mscale_jax.resilience.driver.standby MODULE
 
 imported the libraries without touching a JAX backend (devices and `jax.distributed` are still
 to be set up), and waits for one line of JSON on stdin, its orders:
@@ -22,8 +22,8 @@ import sys
 
 # What every worker imports anyway (experiments.train's own module runs later, as __main__).
 PRELOAD = ("jax", "jax.numpy", "numpy", "flax.nnx", "optax", "orbax.checkpoint", "grain",
-           "ml_collections", "absl.app", "tqdm", "mscale_jax.train",
-           "mscale_jax.resilience.selfcheck")
+           "ml_collections", "absl.app", "tqdm", "mscale_jax.train", "mscale_jax.callbacks.worker",
+           "mscale_jax.resilience.worker.selfcheck")
 
 
 def module_of(command: list[str]) -> str | None:

@@ -13,15 +13,21 @@ with `jax.distributed`) runs:
 
 The results are all-gathered, so every process reaches the same verdict (`judge`) without a
 round trip to the driver. They run inside the restarted group rather than in a separate job:
-on this machine that separate job cost as much as the restart itself. MSCALE_BAD_SLOT=1 makes
-a process corrupt what it contributes (the `bad_slot` fault: a flaky link or device).
+on this machine that separate job cost as much as the restart itself. MSCALE_SELF_CHECK=1 asks
+a worker to run them (`self_check_if_asked`); MSCALE_BAD_SLOT=1 makes a process corrupt what it
+contributes (the `bad_slot` fault: a flaky link or device).
 """
 import json
+import logging
 import os
 import statistics
+import sys
 import time
 
 from mscale_jax.files import write_json
+from mscale_jax.resilience import events
+
+log = logging.getLogger("mscale_jax")
 
 # A slot whose matmul rate is below this fraction of the median fails.
 MIN_RATE_FRACTION = 0.5
@@ -148,3 +154,31 @@ def run_in_group(out_dir: str, checkpoint_dir: str, *, slot: int, corrupt: bool 
 
 
 _RESULT_BYTES = 4096   # one process's results as JSON, zero-padded for the all-gather
+
+
+def self_check_if_asked(heartbeats, workdir: str, env=None) -> None:
+  """Runs the group's self-checks when MSCALE_SELF_CHECK=1; exits if any slot fails them.
+
+  `heartbeats` is this worker's HeartbeatClient (the driver sees the phase 'self_check'). Every
+  process reaches the same verdict; on a failing slot each reports a `self_check_failed`
+  failure and exits with EXIT_SELF_CHECK_FAILED, and the driver restarts the group without
+  that slot (WORKDIR/resilience/selfcheck-<attempt>/verdict.json says why).
+  """
+  env = os.environ if env is None else env
+  if env.get("MSCALE_SELF_CHECK") != "1":
+    return
+  heartbeats.start()
+  heartbeats.phase(events.SELF_CHECK)
+  start = time.perf_counter()
+  verdict, _ = run_in_group(
+      os.path.join(workdir, "resilience", f"selfcheck-{env.get('MSCALE_ATTEMPT', '0')}"),
+      os.path.join(workdir, "checkpoints"), slot=int(env.get("MSCALE_SLOT", "0")),
+      corrupt=env.get("MSCALE_BAD_SLOT") == "1")
+  failed = {slot: why for slot, why in verdict.items() if why}
+  if failed:
+    detail = "; ".join(f"slot {slot}: {why}" for slot, why in sorted(failed.items()))
+    log.error("self-check failed: %s", detail)
+    heartbeats.failure(events.SELF_CHECK_FAILED, detail)
+    sys.exit(events.EXIT_SELF_CHECK_FAILED)
+  log.info("self-check passed on slots %s in %.1f s", sorted(verdict),
+           time.perf_counter() - start)

@@ -13,12 +13,12 @@ heartbeats over HTTP/JSON, and declares a failure when a worker
                                           a checkpoint save or evaluation io_timeout_s)
 
 Then it kills the whole group and restarts it, from warm standby processes when it has them
-(standby.py). The restarted group first runs the self-checks (selfcheck.py) on its slots; if
-a slot fails them, the group exits and the driver starts it again without that slot (a spare
-takes its place; without spares the job shrinks and the `data` mesh axis with it). A group
-that passes resumes from the latest complete checkpoint with the same global batches. A
-failure that repeats at the same step, or a bad configuration (a worker exits with status 2),
-ends the job. Everything lands in WORKDIR/resilience/report.json.
+(standby.py). The restarted group first runs the self-checks (resilience/worker/selfcheck.py)
+on its slots; if a slot fails them, the group exits and the driver starts it again without that
+slot (a spare takes its place; without spares the job shrinks and the `data` mesh axis with
+it). A group that passes resumes from the latest complete checkpoint with the same global
+batches. A failure that repeats at the same step, or a bad configuration (a worker exits with
+status 2), ends the job. Everything lands in WORKDIR/resilience/report.json.
 """
 import dataclasses
 import glob
@@ -32,11 +32,11 @@ import sys
 import time
 
 from mscale_jax.files import write_json
+from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
-from mscale_jax.resilience.faults import Fault
-from mscale_jax.resilience.observer import Observer
-from mscale_jax.resilience.server import HeartbeatServer
-from mscale_jax.resilience.standby import StandbyPool, kill_process_groups
+from mscale_jax.resilience.driver.server import HeartbeatServer
+from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
+from mscale_jax.resilience.faults import WORKER, Fault
 
 
 @dataclasses.dataclass
@@ -257,14 +257,14 @@ class Driver:
             f"{self.o.xla_flags}").strip()
 
   def _worker_env(self, rank: int, slot: int, count: int, port: int, attempt: int) -> dict:
-    """The MSCALE_* variables (worker.py) of rank `rank` on slot `slot`, and XLA_FLAGS."""
+    """The MSCALE_* variables (resilience/worker/) of rank `rank` on slot `slot`, and XLA_FLAGS."""
     o = self.o
     env = {"XLA_FLAGS": self._xla_flags(),
            "MSCALE_COORDINATOR": f"{o.coordinator_host}:{port}",
            "MSCALE_NUM_PROCESSES": str(count), "MSCALE_PROCESS_ID": str(rank),
            "MSCALE_HEARTBEAT_S": str(o.heartbeat_s), "MSCALE_ATTEMPT": str(attempt),
            "MSCALE_SLOT": str(slot), "MSCALE_HEARTBEAT_URL": self.server.url,
-           "MSCALE_FAULTS": json.dumps([f.spec for f in o.faults if f.kind != "bad_slot"]),
+           "MSCALE_FAULTS": json.dumps([f.spec for f in o.faults if f.injected_by == WORKER]),
            "MSCALE_SELF_CHECK": "1" if o.self_check and attempt > 0 else "0",
            "MSCALE_BAD_SLOT": "1" if any(f.kind == "bad_slot" and f.slot == slot
                                          for f in o.faults) else "0"}

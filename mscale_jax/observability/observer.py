@@ -1,9 +1,9 @@
 """The driver's eyes (MegaScale §5): straggler detection, hang localisation, a one-screen status,
 per-rank TensorBoard scalars, clock offsets and the merged timeline of the run.
 
-The driver (driver.py) owns one `Observer` and calls it at a few points: every heartbeat as it
-arrives (`receive`, from the HTTP thread), each poll (`observe`: may return a straggler
-`Failure` under policy 'evict'), when a group starts and after a hang was declared
+The driver (resilience/driver/supervisor.py) owns one `Observer` and calls it at a few points:
+every heartbeat as it arrives (`receive`, from the HTTP thread), each poll (`observe`: may return
+a straggler `Failure` under policy 'evict'), when a group starts and after a hang was declared
 (`localize_hang`, before the group is killed), and at the end (`finish`). Everything it finds
 goes to WORKDIR/resilience/: stragglers.jsonl, hang-attempt{A}.json, status.txt, and into the
 driver's report under 'observability'.
@@ -16,8 +16,9 @@ import time
 
 import numpy as np
 
-from mscale_jax.resilience import events, hang, straggler, trace
-from mscale_jax.resilience import timeline as timeline_lib
+from mscale_jax.observability import hang, straggler, trace
+from mscale_jax.observability import timeline as timeline_lib
+from mscale_jax.resilience import events
 
 POLICIES = ("warn", "evict")
 
