@@ -80,6 +80,11 @@ class Minder:
   def with_priority(self, priority: list[str]) -> "Minder":
     return Minder(self.models, self.config, priority)
 
+  def with_config(self, **changes) -> "Minder":
+    """The same models with other thresholds (window and stride must stay: the models and
+    their inputs depend on them)."""
+    return Minder(self.models, dataclasses.replace(self.config, **changes), self.priority)
+
   def embed(self, metric: str, windows: np.ndarray) -> np.ndarray:
     """Raw windows [M, W] of `metric` -> embeddings [M, latent]."""
     model = self.models[metric]
@@ -132,13 +137,23 @@ class MinderDetector:
     self.flags: list[MinderFlag] = []
 
   def check(self, t: float, windows: dict[str, np.ndarray]) -> MinderFlag | None:
+    """One check on {metric: raw [machines, window]}: embed, compare, continue streaks."""
+    tops = self.minder.most_distinct(windows)
+    return self.decide(t, tops, {m: np.asarray(w, np.float64).mean(axis=1)
+                                 for m, w in windows.items()})
+
+  def decide(self, t: float, tops: dict[str, similarity.Candidate | None],
+             means: dict[str, np.ndarray]) -> MinderFlag | None:
+    """The thresholds, continuity and priority on one check's most distinct machines (what
+    `Minder.most_distinct` gives) and each machine's mean of each metric over the window."""
     cfg = self.config
     fired, seen = [], set()
     for metric in self.minder.priority:
-      if metric not in windows:
+      if metric not in tops:
         continue
-      candidate = similarity.outlier(self.minder.embed(metric, windows[metric]),
-                                     ratio=cfg.ratio, floor=cfg.floor)
+      top = tops[metric]
+      candidate = top if (top is not None and top.ratio >= cfg.ratio
+                          and top.score >= cfg.floor) else None
       machine = candidate.machine if candidate else None
       if machine is not None:
         seen.add(machine)
@@ -152,7 +167,7 @@ class MinderDetector:
     for metric, streak in fired:          # priority order: the most indicative metric first
       if streak.machine in self._calm:
         continue
-      series = np.asarray(windows[metric], np.float64).mean(axis=1)
+      series = np.asarray(means[metric], np.float64)
       others = np.delete(series, streak.machine)
       flag = MinderFlag(streak.machine, metric, streak.since, t, float(np.mean(streak.ratios)),
                         float(series[streak.machine]), float(np.median(others)))
