@@ -80,6 +80,8 @@ class Heartbeat:
   step_phases: list = dataclasses.field(default_factory=list)
   where: list | None = None
   host_metrics: dict[str, float] | None = None
+  # Per-second monitoring samples since the previous heartbeat (worker/monitor.py, for Minder).
+  monitor: list = dataclasses.field(default_factory=list)
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

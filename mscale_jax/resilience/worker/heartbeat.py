@@ -18,6 +18,7 @@ import urllib.request
 import numpy as np
 
 from mscale_jax.resilience import events
+from mscale_jax.resilience.worker import monitor
 
 log = logging.getLogger("mscale_jax")
 
@@ -86,6 +87,7 @@ class HeartbeatClient:
     self._since = None   # (step, time) at the previous progress report
     self._phases = None   # the loop's PhaseMachine, once training
     self._probe = None
+    self._sampler = None  # per-second monitoring samples (monitor.py), once training
 
   @classmethod
   def from_env(cls, env=None) -> "HeartbeatClient":
@@ -105,6 +107,9 @@ class HeartbeatClient:
     """Starts the heartbeats (once); `phases`: the training loop's PhaseMachine, if training."""
     if phases is not None:
       self._phases, self._probe = phases, HostProbe()
+      self._sampler = monitor.MetricSampler(self._progress)
+      if self.url:
+        self._sampler.start()
     if self.url and self._thread is None:
       self._tail = _Tail()
       self._tail.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
@@ -120,6 +125,8 @@ class HeartbeatClient:
       self._wake.set()
       self._thread.join(timeout=5)
       self._thread = None
+      if self._sampler is not None:
+        self._sampler.stop()
       self.post()
       log.removeHandler(self._tail)
 
@@ -174,13 +181,22 @@ class HeartbeatClient:
         self.beat.step_phases = self._phases.drain()
         self.beat.where = self._phases.where()
         self.beat.host_metrics = host
+      if self._sampler is not None:
+        self.beat.monitor = self._sampler.drain()
       body = json.dumps(self.beat.to_json()).encode()
     request = urllib.request.Request(self.url, data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
     try:
+      start = time.perf_counter()
       urllib.request.urlopen(request, timeout=2).close()
+      if self._sampler is not None:
+        self._sampler.record_rtt(time.perf_counter() - start)
     except OSError:
       pass
+
+  def _progress(self) -> tuple:
+    with self._lock:
+      return self.beat.step, self.beat.step_time_s, self.beat.data_wait_s
 
   def _run(self) -> None:
     while not self._stop.is_set():
