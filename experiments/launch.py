@@ -77,6 +77,14 @@ _STRAGGLER_THRESHOLD = flags.DEFINE_float("straggler_threshold", 0.1, "A rank is
                                           "by this fraction of a step.")
 _STRAGGLER_WINDOW = flags.DEFINE_integer("straggler_window", 10, "Consecutive abnormal steps "
                                          "before a straggler is flagged.")
+_DETECTOR = flags.DEFINE_enum("straggler_detector", "threshold", ["threshold", "minder"],
+                              "Which detector flags a faulty rank: 'threshold' (each step's "
+                              "own-phase seconds against the others' median) or 'minder' "
+                              "(Minder, NSDI'25, on the per-second monitoring samples; needs "
+                              ">= 3 processes; docs/monitoring.md).")
+_MINDER_FIT = flags.DEFINE_integer("minder_fit_s", 120, "With --straggler_detector=minder: "
+                                   "seconds of the job's own healthy samples it trains on "
+                                   "before flagging.")
 _HOST_PROBES = flags.DEFINE_bool("straggler_host_probes", False, "Also flag ranks whose host "
                                   "probes (a small matmul's time, memory) stand out; meaningful "
                                   "when each worker has its own cores.")
@@ -124,6 +132,11 @@ def check_inputs(train_args: list[str]):
                       "a positive fraction of a step, e.g. 0.1")
   if _STRAGGLER_WINDOW.value < 1:
     raise ConfigError("--straggler_window", _STRAGGLER_WINDOW.value, "a positive number of steps")
+  if _DETECTOR.value == "minder" and n < 3:
+    raise ConfigError("--straggler_detector", "minder", "--num_processes >= 3 (Minder compares "
+                      f"each rank with its peers; got {n})")
+  if _MINDER_FIT.value < 60:
+    raise ConfigError("--minder_fit_s", _MINDER_FIT.value, "at least 60 seconds of samples")
   if any(a.startswith("--workdir") for a in train_args):
     raise ConfigError("--workdir", train_args, "give --workdir before '--' (the launcher's)")
   config = parse_train_args(train_args)
@@ -184,7 +197,8 @@ def main(argv):
       straggler_policy=_STRAGGLER_POLICY.value, straggler_threshold=_STRAGGLER_THRESHOLD.value,
       straggler_window=_STRAGGLER_WINDOW.value, status_every_s=_STATUS_EVERY.value,
       tokens_per_step=config.train.global_batch * config.model.seq_len,
-      straggler_host_probes=_HOST_PROBES.value)
+      straggler_host_probes=_HOST_PROBES.value, straggler_detector=_DETECTOR.value,
+      minder_fit_s=_MINDER_FIT.value)
   if _WATCH.value:
     report = Driver(options).watch(_ATTEMPT.value)
     sys.exit(0 if report["completed"] else 1)

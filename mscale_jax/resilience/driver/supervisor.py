@@ -71,6 +71,10 @@ class DriverOptions:
   status_every_s: float = 30.0
   tokens_per_step: int = 0
   straggler_host_probes: bool = False
+  # 'threshold' (step phases, straggler.py) or 'minder' (per-second monitoring samples; Minder
+  # trains on the job's first `minder_fit_s` seconds), observer.DETECTORS.
+  straggler_detector: str = "threshold"
+  minder_fit_s: int = 120
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -121,7 +125,9 @@ class Driver:
                              window=options.straggler_window,
                              status_every_s=options.status_every_s,
                              tokens_per_step=options.tokens_per_step,
-                             host_probes=options.straggler_host_probes)
+                             host_probes=options.straggler_host_probes,
+                             detector=options.straggler_detector,
+                             minder_fit_s=options.minder_fit_s)
 
   def say(self, message: str) -> None:
     print(f"[driver] {message}", file=self.out, flush=True)
