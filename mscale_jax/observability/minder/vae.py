@@ -90,7 +90,8 @@ class TrainedVAE:
 
   def embed(self, windows: np.ndarray) -> np.ndarray:
     """[B, W] normalised windows -> [B, latent] latent means (the denoised embedding)."""
-    return np.asarray(_embed(self.graphdef, self.params, self.rest, jnp.asarray(windows, jnp.float32)))
+    return np.asarray(_embed(self.graphdef, self.params, self.rest,
+                             jnp.asarray(windows, jnp.float32)))
 
   def reconstruct(self, windows: np.ndarray) -> np.ndarray:
     """[B, W] -> [B, W]: the window rebuilt from its latent mean (the denoised series)."""
