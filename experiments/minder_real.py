@@ -88,7 +88,8 @@ def main(argv):
               "--straggler_detector=minder", f"--minder_fit_s={_FIT_S.value}",
               "--hang_timeout_s=600", "--max_restarts=0", "--status_every_s=5",
               f"--xla_flags={job.FAST_XLA}"]
-  train = [*job.TINY_GPT, "--config.mesh.data=1", "--config.mesh.tensor=1",
+  train = [*job.TINY_GPT, "--config.mesh.data=-1", "--config.mesh.tensor=1",
+           f"--config.train.global_batch={2 * _PROCESSES.value}",
            "--config.train.steps=1000000", "--config.train.log_every=50",
            "--config.train.eval_every=1000000", "--config.train.checkpoint_every=1000000"]
   result = {}
@@ -99,8 +100,11 @@ def main(argv):
   deadline = time.time() + plan_s
   while time.time() < deadline:
     time.sleep(2)
-    if os.path.exists(log_path) and "[minder] trained" in open(log_path).read():
+    text = open(log_path).read() if os.path.exists(log_path) else ""
+    if "[minder] trained" in text:
       break
+    if "r" in result:
+      raise SystemExit("the job ended before Minder trained:\n" + text[-3000:])
   else:
     raise SystemExit("Minder never finished training; see " + log_path)
   pids = worker_pids(workdir)
