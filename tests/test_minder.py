@@ -138,3 +138,22 @@ def test_episode_features_are_high_only_where_one_machine_stands_out(minder):
   f_healthy, f_faulty = episode_features(minder, healthy), episode_features(minder, faulty)
   cpu = minder.priority.index("cpu")
   assert f_faulty[cpu] > 1.8 > f_healthy[cpu]
+
+
+def test_with_three_machines_the_healthy_reference_floor_finds_the_outlier(minder):
+  rng = np.random.default_rng(8)
+  assert all(m.healthy_score > 0 for m in minder.models.values())
+  small = minder.with_config(ratio=1.3, floor=0.0, floor_scale=2.0)
+  cfg = small.config
+
+  def run(step):
+    detector = MinderDetector(small)
+    cpu = healthy_series(rng, 3, step.shape[1], level=50.0, noise=2.0)
+    return [f for t in range(cfg.window - 1, step.shape[1], cfg.stride)
+            if (f := detector.check(float(t), {"step": step[:, t - cfg.window + 1:t + 1],
+                                               "cpu": cpu[:, t - cfg.window + 1:t + 1]}))]
+
+  assert run(healthy_series(rng, 3, 400)) == []
+  faulty = healthy_series(rng, 3, 200)
+  faulty[0, 80:] += 3.0
+  assert [(f.rank, f.metric) for f in run(faulty)] == [(0, "step")]

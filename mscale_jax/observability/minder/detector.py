@@ -17,6 +17,10 @@ Constants (MinderConfig) and where they come from:
     paper's continuity is minutes-scale, chosen on its own traces); ours are chosen on the
     validation split of the fleet traces (experiments/minder_eval.py, a different seed from the
     test split) and stated in the evaluation record.
+  floor_scale: with few machines the ratio to the median machine says little (with 3, a perfect
+    outlier's ratio is about 2), so the driver's watch (watch.py) sets instead a floor relative
+    to each metric's healthy reference: the 99th percentile of the most distinct machine's score
+    over the training data (`MetricModel.healthy_score`).
 """
 import collections
 import dataclasses
@@ -36,14 +40,17 @@ class MinderConfig:
   continuity: int = 12        # consecutive checks the same machine must stand out
   ratio: float = 1.8          # its distance score vs the median machine's
   floor: float = 0.1          # its distance score, in embedding units
+  floor_scale: float = 0.0    # also: score >= this x the metric's healthy reference (0: off)
   vae: vae_lib.VAEConfig = vae_lib.VAEConfig()
 
 
 @dataclasses.dataclass
 class MetricModel:
-  """What one metric needs: its normalisation and its trained LSTM-VAE."""
+  """What one metric needs: its normalisation, its trained LSTM-VAE, and how far the most
+  distinct machine stood out on the healthy training data (99th percentile of its score)."""
   normaliser: Normaliser
   vae: vae_lib.TrainedVAE
+  healthy_score: float = 0.0
 
 
 class Minder:
@@ -71,7 +78,15 @@ class Minder:
                                 for t in traces])
       windows = windows[rng.permutation(len(windows))[:max_windows]]
       model = vae_lib.train_vae(windows, config.vae)
-      models[metric] = MetricModel(normaliser, model)
+      scores = []
+      for t in traces:                    # every healthy second's most distinct machine
+        per_check = sliding_windows(normaliser(t), config.window, 1)          # [M, n, W]
+        emb = model.embed(per_check.reshape(-1, config.window)).reshape(
+            *per_check.shape[:2], -1)
+        scores += [c.score for i in range(emb.shape[1])
+                   if (c := similarity.most_distinct(emb[:, i])) is not None]
+      reference = float(np.percentile(scores, 99)) if scores else 0.0
+      models[metric] = MetricModel(normaliser, model, reference)
       if log:
         log(f"minder: {metric}: VAE on {len(windows)} healthy windows, loss "
             f"{model.losses[0]:.4f} -> {np.mean(model.losses[-20:]):.4f}")
@@ -152,8 +167,9 @@ class MinderDetector:
       if metric not in tops:
         continue
       top = tops[metric]
+      floor = max(cfg.floor, cfg.floor_scale * self.minder.models[metric].healthy_score)
       candidate = top if (top is not None and top.ratio >= cfg.ratio
-                          and top.score >= cfg.floor) else None
+                          and top.score >= floor) else None
       machine = candidate.machine if candidate else None
       if machine is not None:
         seen.add(machine)
