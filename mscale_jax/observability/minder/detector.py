@@ -24,6 +24,7 @@ Constants (MinderConfig) and where they come from:
 """
 import collections
 import dataclasses
+import time
 
 import numpy as np
 
@@ -126,11 +127,18 @@ class MinderFlag:
   def describe(self) -> str:
     return (f"minder: rank {self.rank}: {self.metric} {self.value:.4g} vs {self.others:.4g} "
             f"median of the others; {self.ratio:.1f}x further from its peers than the median "
-            f"machine for {self.at - self.since:.0f} s (since t={self.since:.0f} s, flagged at "
-            f"t={self.at:.0f} s)")
+            f"machine for {self.at - self.since:.0f} s (since {_when(self.since)}, flagged at "
+            f"{_when(self.at)})")
 
   def to_json(self) -> dict:
     return {**dataclasses.asdict(self), "message": self.describe()}
+
+
+def _when(t: float) -> str:
+  """Wall-clock times (the driver's) as UTC time of day; trace seconds as t=N s."""
+  if t > 1e9:
+    return time.strftime("%H:%M:%S UTC", time.gmtime(t))
+  return f"t={t:.0f} s"
 
 
 class MinderDetector:
