@@ -15,6 +15,10 @@ WORKDIR/resilience/report.json and worker logs are in WORKDIR/logs/. With --emit
 scheduler to start the workers (JAX's cluster auto-detection joins them); those files run
 this launcher beside the workers with --watch (heartbeats only; exit 1 at the first failure).
 
+The driver's heartbeat endpoint takes requests only with the job's secret token (the local
+driver makes one, or takes MSCALE_HEARTBEAT_TOKEN from the environment, which --watch
+requires); it is in WORKDIR/resilience/heartbeat_token for `curl .../status`.
+
 Bad input (an unknown --fault, a process count the mesh cannot use, a port in use, a
 coordinator host this machine cannot serve) prints one line and exits with status 2 before
 anything is started or written.
@@ -144,6 +148,9 @@ def check_inputs(train_args: list[str]):
                     else "--coordinator_host")
   if _EMIT.value == "local":
     check_port_free(_HOST.value, _HEARTBEAT_PORT.value, "--heartbeat_port")
+  if _WATCH.value and not os.environ.get("MSCALE_HEARTBEAT_TOKEN"):
+    raise ConfigError("MSCALE_HEARTBEAT_TOKEN", "(unset)", "the job's heartbeat secret, which "
+                      "the job file exports to the driver and the workers alike")
   return config, faults
 
 
@@ -175,6 +182,7 @@ def main(argv):
       devices_per_process=_DEVICES.value, spare_slots=_SPARES.value,
       coordinator_host=_HOST.value, coordinator_port=_PORT.value,
       heartbeat_port=_HEARTBEAT_PORT.value, heartbeat_s=_HEARTBEAT_S.value,
+      heartbeat_token=os.environ.get("MSCALE_HEARTBEAT_TOKEN", ""),
       hang_timeout_s=_HANG.value, hang_step_factor=_HANG_FACTOR.value,
       startup_timeout_s=_STARTUP.value, io_timeout_s=_IO_TIMEOUT.value,
       max_restarts=_RESTARTS.value,

@@ -71,13 +71,15 @@ def test_kubernetes_jobset(tmp_path):
 def _watch(tmp_path, attempt, worker_script):
   port = free_port()
   options = DriverOptions(worker_command=[], workdir=str(tmp_path), num_processes=2,
-                          heartbeat_port=port, hang_timeout_s=30, poll_s=0.05)
+                          heartbeat_port=port, hang_timeout_s=30, poll_s=0.05,
+                          heartbeat_token="job-secret")
   url = f"http://127.0.0.1:{port}/heartbeat"
   result = {}
   watcher = threading.Thread(target=lambda: result.update(
       report=Driver(options, out=open(os.devnull, "w")).watch(attempt)))
   watcher.start()
-  hooks = [HeartbeatClient(rank=r, heartbeat_url=url, interval_s=60, attempt=attempt)
+  hooks = [HeartbeatClient(rank=r, heartbeat_url=url, interval_s=60, attempt=attempt,
+                           token="job-secret")
            for r in range(2)]
   while watcher.is_alive() and not result:   # posts until the watcher has decided
     worker_script(hooks)

@@ -79,6 +79,8 @@ mkdir -p {q(job.workdir)}/logs
 export MSCALE_COORDINATOR=auto
 export JAX_COORDINATOR_PORT={job.coordinator_port}
 export MSCALE_HEARTBEAT_URL="http://$(hostname):{job.heartbeat_port}/heartbeat"
+# The job's heartbeat secret: the driver's endpoint refuses requests without it.
+export MSCALE_HEARTBEAT_TOKEN="$(od -An -N24 -tx1 /dev/urandom | tr -d ' \\n')"
 {env}
 for attempt in $(seq 0 {job.max_restarts}); do
   export MSCALE_ATTEMPT=$attempt
