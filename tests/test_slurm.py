@@ -58,13 +58,14 @@ def free_port_is(port: int) -> bool:
       return False
 
 
-def sbatch(slurm, workdir, *launch_flags, timeout_s=420):
+def sbatch(slurm, workdir, *launch_flags, timeout_s=420, heartbeat_port=None):
   """Emits the batch script, runs it with `sbatch --wait`; returns (exit status, its log)."""
   emitted = subprocess.run(
       [sys.executable, "-m", "experiments.launch", "--emit=slurm", f"--workdir={workdir}",
        "--num_processes=2", "--devices_per_process=4", "--tasks_per_node=2",
        "--nocluster_gpus", f"--coordinator_port={free_port()}",
-       f"--heartbeat_port={free_port()}", "--heartbeat_s=0.5", f"--xla_flags={job.FAST_XLA}",
+       f"--heartbeat_port={heartbeat_port or free_port()}", "--heartbeat_s=0.5",
+       f"--xla_flags={job.FAST_XLA}",
        *launch_flags, "--", *TRAIN], cwd=job.REPO, env=dict(slurm, PYTHONPATH=job.REPO),
       capture_output=True, text=True, timeout=120)
   assert emitted.returncode == 0, emitted.stderr[-2000:]
@@ -159,3 +160,16 @@ def test_a_spent_budget_ends_the_job_with_status_1_and_says_so(slurm, tmp_path):
   assert "[job] restart budget (0) spent" in log
   assert "restarting" not in log and not (tmp_path / "summary.json").exists()
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]   # kept for a resubmission
+
+
+def test_a_driver_that_cannot_start_ends_the_job_with_status_2_and_cancels_the_step(slurm,
+                                                                                    tmp_path):
+  import socket
+  with socket.socket() as taken:   # the driver's heartbeat port is someone else's
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    status, log = sbatch(slurm, tmp_path, heartbeat_port=taken.getsockname()[1],
+                         timeout_s=120)
+  assert status == 2, log[-3000:]
+  assert "--heartbeat_port=" in log and "[job] bad driver configuration" in log
+  assert "restarting" not in log and not (tmp_path / "checkpoints").exists()

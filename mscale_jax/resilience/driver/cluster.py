@@ -121,8 +121,11 @@ export MSCALE_COMPILE_CACHE={workdir}/resilience/compile_cache
 
 end_step() {{   # cancels attempt $1's worker step on every node, then reaps srun ($2)
   local ids
-  ids=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk -v n="$1" '$2 == n {{print $1}}')
-  [ -n "$ids" ] && scancel $ids
+  while kill -0 "$2" 2>/dev/null; do   # (a step that srun has not registered yet: wait for it)
+    ids=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk -v n="$1" '$2 == n {{print $1}}')
+    if [ -n "$ids" ]; then scancel $ids; break; fi
+    sleep 1
+  done
   wait "$2"
 }}
 
