@@ -42,23 +42,29 @@ def good_beat(rank=0, **fields) -> dict:
   return {**beat.to_json(), **fields}
 
 
+# A field of an otherwise good heartbeat, set to a wrong type or out of range.
+WRONG_TYPES = [("rank", "0"), ("rank", 1.5), ("rank", True), ("rank", None), ("pid", "1"),
+               ("step", [1]), ("step", 2.0), ("phase", 7), ("phase", "napping"),
+               ("failure", "notadict"), ("failure", {"kind": "meteor", "detail": "x"}),
+               ("failure", {"kind": "exception"}), ("failure", {"kind": "hang", "detail": 3}),
+               ("failure", {"kind": "exception", "detail": "x", "step": "9"}),
+               ("loss", "low"), ("log_tail", "one line"), ("log_tail", [1, 2]),
+               ("step_time_s", -1.0), ("step_time_s", float("inf")),
+               ("step_time_s", float("nan")), ("time", float("inf")),
+               ("step_phases", [[1, {"host": "fast"}]]), ("step_phases", [[1]]),
+               ("step_phases", "all"), ("step_phases", [["1", {}]]),
+               ("step_phases", [[1, {"host": -2.0}]]), ("where", ["sync"]),
+               ("where", [1, 2, 3]), ("host_metrics", {"probe_ms": 1.0}),
+               ("host_metrics", {"probe_ms": "x", "rss_mb": 1.0}), ("attempt", -1),
+               ("step", 10**30), ("slot", 2**64), ("nonfinite_steps", -5),
+               ("step_time_s", 10**400), ("loss", -10**300), ("time", True),
+               ("step_phases", [[1, {"host": 10**400}]]),
+               ("host_metrics", {"probe_ms": 10**400, "rss_mb": 1.0})]
+
+
 def hostile_payloads(rng: random.Random, num_ranks: int):
   """Yields (body, token, extra headers) of requests the endpoint must turn away: malformed
   bodies with the right token, and spoofed well-formed ones (a failure, 'done') without it."""
-  wrong_types = [("rank", "0"), ("rank", 1.5), ("rank", True), ("rank", None), ("pid", "1"),
-                 ("step", [1]), ("step", 2.0), ("phase", 7), ("phase", "napping"),
-                 ("failure", "notadict"), ("failure", {"kind": "meteor", "detail": "x"}),
-                 ("failure", {"kind": "exception"}), ("failure", {"kind": "hang", "detail": 3}),
-                 ("failure", {"kind": "exception", "detail": "x", "step": "9"}),
-                 ("loss", "low"), ("log_tail", "one line"), ("log_tail", [1, 2]),
-                 ("step_time_s", -1.0), ("step_time_s", float("inf")),
-                 ("step_time_s", float("nan")), ("time", float("inf")),
-                 ("step_phases", [[1, {"host": "fast"}]]), ("step_phases", [[1]]),
-                 ("step_phases", "all"), ("step_phases", [["1", {}]]),
-                 ("step_phases", [[1, {"host": -2.0}]]), ("where", ["sync"]),
-                 ("where", [1, 2, 3]), ("host_metrics", {"probe_ms": 1.0}),
-                 ("host_metrics", {"probe_ms": "x", "rss_mb": 1.0}), ("attempt", -1),
-                 ("step", 10**30), ("slot", 2**64), ("nonfinite_steps", -5)]
   kinds = ["truncated", "wrong type", "rank", "not an object", "garbage", "huge number",
            "nested", "too big", "spoofed", "no token", "missing field"]
   while True:
@@ -68,7 +74,7 @@ def hostile_payloads(rng: random.Random, num_ranks: int):
       text = json.dumps(good_beat(rng.randrange(num_ranks)))
       body = text[:rng.randrange(len(text))]
     elif kind == "wrong type":
-      field, value = rng.choice(wrong_types)
+      field, value = rng.choice(WRONG_TYPES)
       body = json.dumps({**good_beat(rng.randrange(num_ranks)), field: value})
     elif kind == "rank":
       body = json.dumps(good_beat(rng.choice([num_ranks, 99, -1, 2**63, -2**40])))
@@ -156,6 +162,14 @@ def test_the_issue_cases_are_4xx_with_a_log_line_and_the_server_goes_on(server):
   connection.request("GET", "/status", headers={"Authorization": f"Bearer {TOKEN}"})
   response = connection.getresponse()
   assert response.status == 200 and json.loads(response.read())["1"]["step"] == 5
+
+
+def test_each_wrong_field_is_refused_naming_that_field(server):
+  for field, value in WRONG_TYPES:
+    before = server.rejections[f"400 {field}"]
+    status = request(server.url, body=json.dumps({**good_beat(1), field: value}).encode())
+    assert status == 400 and server.rejections[f"400 {field}"] == before + 1, (field, value)
+  assert server.latest() == {} and sum(server.rejections.values()) == len(WRONG_TYPES)
 
 
 def test_a_client_with_the_wrong_token_is_refused_and_says_so_once(server, caplog):

@@ -109,7 +109,8 @@ def _check_ranges(obj: dict, num_ranks: int | None) -> None:
 
 def _conforms(value, annotation) -> bool:
   """Whether JSON-decoded `value` has type `annotation` (int, float, str, bool, None, Any,
-  unions, list[...] and dict[str, ...]); a float field takes an int, no number field a bool."""
+  unions, list[...] and dict[str, ...]); a float field takes an int up to 2**53, no number
+  field a bool."""
   origin, args = typing.get_origin(annotation), typing.get_args(annotation)
   if annotation is typing.Any:
     return True
@@ -117,8 +118,8 @@ def _conforms(value, annotation) -> bool:
     return value is None
   if origin in (typing.Union, types.UnionType):
     return any(_conforms(value, a) for a in args)
-  if annotation is float:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if annotation is float:   # an int too, if a float holds it exactly
+    return isinstance(value, float) or _conforms(value, int) and abs(value) <= MAX_COUNT
   if annotation is int:
     return isinstance(value, int) and not isinstance(value, bool)
   if origin is list or annotation is list:
