@@ -34,7 +34,9 @@ def slurm(tmp_path_factory):
                            timeout=600)
   try:
     assert started.returncode == 0, started.stderr[-3000:]
-    yield dict(env, SLURM_CONF=str(state / "slurm.conf"))
+    # The jobs share one compilation cache (each job's default is its own, in its workdir).
+    yield dict(env, SLURM_CONF=str(state / "slurm.conf"),
+               MSCALE_COMPILE_CACHE=str(tmp_path_factory.mktemp("compile_cache")))
   finally:
     subprocess.run([SCRIPT, "stop"], env=env, capture_output=True, timeout=120)
     for name in ("slurmd.pid", "slurmctld.pid"):

@@ -116,7 +116,7 @@ export MSCALE_COORDINATOR=auto
 export JAX_COORDINATOR_PORT={job.coordinator_port}
 export MSCALE_HEARTBEAT_URL="http://$(hostname):{job.heartbeat_port}/heartbeat"
 export MSCALE_HEARTBEAT_TOKEN="$(od -An -N24 -tx1 /dev/urandom | tr -d ' \\n')"
-export MSCALE_COMPILE_CACHE={workdir}/resilience/compile_cache
+export MSCALE_COMPILE_CACHE="${{MSCALE_COMPILE_CACHE:-{job.workdir}/resilience/compile_cache}}"
 {env}
 
 end_step() {{   # cancels attempt $1's worker step on every node, then reaps srun ($2)
