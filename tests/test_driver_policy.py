@@ -120,6 +120,9 @@ def test_malformed_heartbeats_from_a_worker_cost_nothing(tmp_path):
   rejected = report["rejected_requests"]
   assert rejected["400 rank"] == rejected["400 failure"] == rejected["400 not JSON"] == 8
   assert "rejected a request from 127.0.0.1: 400 'rank' must be a rank" in output
+  # The job's token (the workers had it: their heartbeats got through) is for its owner only.
+  token = tmp_path / "resilience" / "heartbeat_token"
+  assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) >= 32
 
 
 def test_a_hang_is_blamed_on_the_rank_the_localiser_names(tmp_path):

@@ -2,6 +2,7 @@
 run against a live driver supervising a real 2-process job (which must not notice)."""
 import http.client
 import json
+import logging
 import os
 import random
 import socket
@@ -180,6 +181,25 @@ def test_a_client_with_the_wrong_token_is_refused_and_says_so_once(server, caplo
   assert server.latest() == {} and server.rejections["401 token"] == 2
   assert [r.getMessage() for r in caplog.records] == [
       "the driver refused a heartbeat: 401 missing or wrong token"]
+
+
+def test_a_worker_with_a_long_log_still_reports_its_failure(server, monkeypatch):
+  # The client keeps under the limit by dropping its oldest log lines (a smaller limit here,
+  # so that the 20 lines of the tail, 2,000 characters each at most, overflow it).
+  monkeypatch.setattr(events, "MAX_HEARTBEAT_BYTES", 24 * 1024)
+  client = HeartbeatClient(rank=1, heartbeat_url=server.url, interval_s=60, token=TOKEN)
+  client.start()
+  try:
+    for i in range(30):
+      logging.getLogger("mscale_jax").error("XLA said: %d %s", i, "x" * 9000)
+    client.failure(events.EXCEPTION, "RuntimeError: " + "y" * 20000, step=4)
+  finally:
+    client.close(events.FAILED)
+  beat, _ = server.latest()[1]
+  assert beat.failure["kind"] == events.EXCEPTION and beat.failure["step"] == 4
+  assert 0 < len(beat.log_tail) < 20 and beat.log_tail[-1].startswith("ERROR XLA said: 29 x")
+  assert len(beat.failure["detail"]) <= 4000
+  assert server.rejections == {}
 
 
 def test_slow_and_lengthless_clients_are_cut_off(server):

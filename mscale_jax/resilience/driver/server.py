@@ -21,6 +21,7 @@ import hmac
 import http.server
 import json
 import math
+import os
 import threading
 import time
 import types
@@ -29,7 +30,7 @@ import typing
 from mscale_jax.observability.straggler import HOST_METRICS
 from mscale_jax.resilience import events
 
-MAX_BODY_BYTES = 64 * 1024
+MAX_BODY_BYTES = events.MAX_HEARTBEAT_BYTES
 MAX_COUNT = 2**53          # steps, attempts, slots, pids: beyond this a number is not one
 LOGGED_PER_REASON = 5      # rejections printed per reason; the rest are only counted
 
@@ -138,6 +139,15 @@ def _show(value) -> str:
   text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) \
       else str(value)
   return text if len(text) <= 60 else text[:57] + "..."
+
+
+def save_token(token: str, path: str) -> None:
+  """Writes the job's token to `path`, readable by its owner only (for `curl .../status`)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  if os.path.exists(path):
+    os.unlink(path)
+  with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+    f.write(token + "\n")
 
 
 class HeartbeatServer:

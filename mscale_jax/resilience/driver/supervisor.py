@@ -35,7 +35,7 @@ import time
 from mscale_jax.files import write_json
 from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
-from mscale_jax.resilience.driver.server import HeartbeatServer
+from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
 from mscale_jax.resilience.faults import WORKER, Fault
 
@@ -226,14 +226,8 @@ class Driver:
     return self._report(outcome, time.time() - start, f"report-attempt{attempt}.json")
 
   def _serve_heartbeats(self) -> None:
-    """Starts the heartbeat endpoint, and leaves its token where the job's owner (only) can
-    read it: WORKDIR/resilience/heartbeat_token (for `curl .../status`)."""
-    os.makedirs(self.state_dir, exist_ok=True)
-    path = os.path.join(self.state_dir, "heartbeat_token")
-    if os.path.exists(path):
-      os.unlink(path)
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-      f.write(self.token + "\n")
+    """Starts the heartbeat endpoint; its token goes to WORKDIR/resilience/heartbeat_token."""
+    save_token(self.token, os.path.join(self.state_dir, "heartbeat_token"))
     self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port,
                                   token=self.token, say=self.say)
     self.server.listeners.append(self.observer.receive)

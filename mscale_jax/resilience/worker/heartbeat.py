@@ -32,7 +32,7 @@ class _Tail(logging.Handler):
     self.lines = collections.deque(maxlen=lines)
 
   def emit(self, record):
-    self.lines.append(self.format(record))
+    self.lines.append(self.format(record)[:2000])
 
 
 class HostProbe:
@@ -162,7 +162,7 @@ class HeartbeatClient:
   def failure(self, kind: str, detail: str, step: int | None = None) -> None:
     """Reports this worker's own failure right away (it is about to exit)."""
     with self._lock:
-      self.beat.failure = events.Failure(kind, self.rank, detail, step=step).to_json()
+      self.beat.failure = events.Failure(kind, self.rank, detail[:4000], step=step).to_json()
       self.beat.phase = events.FAILED
     self.post()
 
@@ -180,6 +180,9 @@ class HeartbeatClient:
         self.beat.where = self._phases.where()
         self.beat.host_metrics = host
       body = json.dumps(self.beat.to_json()).encode()
+      while len(body) > events.MAX_HEARTBEAT_BYTES and self.beat.log_tail:   # oldest go first
+        self.beat.log_tail = self.beat.log_tail[len(self.beat.log_tail) // 2 + 1:]
+        body = json.dumps(self.beat.to_json()).encode()
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
     request = urllib.request.Request(self.url, data=body, method="POST", headers=headers)
     try:
