@@ -5,6 +5,7 @@ r"""Multi-process training under MegaScale's robust-training driver, or its clus
   python -m experiments.launch --num_processes=2 --fault=kill:rank=1:step=37 \
       --fault=hang:rank=0:step=60 --hang_timeout_s=20 -- --config.train.checkpoint_every=20
   python -m experiments.launch --emit=slurm --num_processes=16 --devices_per_process=8 -- ...
+  python -m experiments.launch --emit=kubernetes --pvc=CLAIM --image=REGISTRY/mscale-jax -- ...
 
 Flags before `--` are the launcher's; those after it are experiments.train's, passed to every
 worker. Locally the driver starts the workers (one JAX process each, with its own simulated CPU
