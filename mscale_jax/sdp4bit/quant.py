@@ -117,20 +117,24 @@ def dequantize(payload: dict[str, jax.Array], n: int, q: Quantizer) -> jax.Array
 
 
 def _pack(codes: jax.Array, bits: int) -> jax.Array:
-  """int8 codes [groups, g] -> uint8 [groups, g] (bits > 4) or [groups, g / 2] (two nibbles)."""
+  """int8 codes [groups, g] -> uint8 [groups, g] (bits > 4) or [groups, g / 2] (two nibbles).
+
+  Codes travel offset by 2^(bits'-1) (bits' = 8 or 4) so that every conversion stays in range:
+  XLA's vectorized CPU code saturates out-of-range integer conversions (int8 -> uint8).
+  """
   if bits > 4:
-    return codes.astype(jnp.uint8)
-  nibbles = (codes + 8).astype(jnp.uint8)            # [-7, 7] -> [1, 15]
+    return (codes.astype(jnp.int32) + 128).astype(jnp.uint8)
+  nibbles = (codes.astype(jnp.int32) + 8).astype(jnp.uint8)     # [-7, 7] -> [1, 15]
   low, high = nibbles[:, 0::2], nibbles[:, 1::2]
   return low | (high << 4)
 
 
 def _unpack(packed: jax.Array, bits: int, group: int) -> jax.Array:
-  """Inverse of `_pack`: int8 codes [groups, group]."""
+  """Inverse of `_pack`: int32 codes [groups, group]."""
+  wide = packed.astype(jnp.int32)
   if bits > 4:
-    return packed.astype(jnp.int8)
-  low = (packed & 0xF).astype(jnp.int8) - 8
-  high = (packed >> 4).astype(jnp.int8) - 8
+    return wide - 128
+  low, high = (wide & 0xF) - 8, (wide >> 4) - 8
   return jnp.stack([low, high], axis=-1).reshape(packed.shape[0], group)
 
 
