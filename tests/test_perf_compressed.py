@@ -46,3 +46,12 @@ def test_predicted_speedup_grows_as_the_network_slows():
                    for comp in (DPCompression.uncompressed(), DPCompression()))
     speedups.append(base / quick)
   assert 1.0 < speedups[0] < speedups[1] < speedups[2]
+
+
+def test_planner_with_sdp4bit_on_a_slow_network_predicts_higher_mfu(capsys):
+  from experiments import plan
+  none, = plan.plan("175B", 1024, "a100_megascale", 768, 1, 1, DEFAULT, "none", 100)
+  quick, = plan.plan("175B", 1024, "a100_megascale", 768, 1, 1, DEFAULT, "sdp4bit", 100)
+  assert quick.techniques.dp_compression is not None and none.techniques.dp_compression is None
+  assert quick.mfu > none.mfu
+  assert "dp_comm=sdp4bit, 100 Gb/s per node" in capsys.readouterr().out
