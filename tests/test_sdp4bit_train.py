@@ -84,6 +84,12 @@ def test_sdp4bit_resume_is_bitwise_and_restores_across_dp_comm(tiny_config, tmp_
   for key in ("params", "reference", "opt_state"):
     for a, b in zip(_leaves(straight.final_state[key]), _leaves(resumed.final_state[key])):
       np.testing.assert_array_equal(a, b)
+  # Sampling reads an SDP4Bit checkpoint's parameters (the reference weights are left behind).
+  from mscale_jax.generate import restore_params
+  _, params, step, _ = restore_params(str(tmp_path / "straight" / "checkpoints"))
+  assert step == 4
+  for a, b in zip(_leaves(straight.final_state["params"]), _leaves(params)):
+    np.testing.assert_array_equal(a, b)
 
   # sdp4bit -> none: the reference weights are left behind, the parameters kept.
   plain = Trainer(_config(tiny_config), tmp_path / "straight", show_progress=False)

@@ -2,5 +2,5 @@
 
 `quant` (group-wise quantizer, Hadamard transform), `collectives` (qWD all-gather, TLq-HS
 reduce-scatter, per device), `data_parallel` (the train step's gradient function and weight
-all-gather), `wire` (bytes each collective of a compiled program moves).
+all-gather), `wire` (the bytes each collective of a compiled program moves).
 """
