@@ -29,6 +29,7 @@ NONFINITE_POLICIES = ("stop", "skip_step", "rollback")
 DP_COMMS = ("none", "sdp4bit")            # data-parallel collectives (mscale_jax/sdp4bit/)
 SDP4BIT_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)   # integer codes; 16: bfloat16; 32: unquantized
 SDP4BIT_WEIGHTS = ("differences", "weights", "none")
+SDP4BIT_KERNELS = ("xla", "pallas")        # pallas: pallas_kernels/quantize.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +142,7 @@ class SDP4BitConfig:
   grad_bits_inter: int = 4
   grad_group: int = 128
   hadamard: bool = True
+  kernel: str = "xla"                # quantize/dequantize (+Hadamard) in XLA or fused Pallas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,6 +380,7 @@ def _check_dp_comm(o: OptimizerConfig) -> None:
     return
   q = o.sdp4bit
   _choice("optimizer.sdp4bit.weights", q.weights, SDP4BIT_WEIGHTS)
+  _choice("optimizer.sdp4bit.kernel", q.kernel, SDP4BIT_KERNELS)
   for field in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
     if getattr(q, field) not in SDP4BIT_BITS or isinstance(getattr(q, field), bool):
       raise ConfigError(f"optimizer.sdp4bit.{field}", getattr(q, field),

@@ -191,3 +191,40 @@ def test_qwd_all_gather_reconstructs_the_weights_within_the_bound(mode):
   # themselves ~0.3: qWD's point.
   worst = float(jnp.max(jnp.abs(got - weights)))
   assert worst < 4e-4 if mode == "differences" else worst > 0.05
+
+
+def test_pallas_kernel_option_sends_the_same_codes():
+  """kernel='pallas' (pallas_kernels/quantize.py, the interpreter on CPU): the payload is the
+  XLA path's without the transform, and decodes to within float rounding with it."""
+  x = _outlier_data(jax.random.key(7), n=5000)
+  for bits in (4, 8):
+    xla, fused = Quantizer(bits, 128), Quantizer(bits, 128, kernel="pallas")
+    a, b = quantize(x, xla), jax.jit(quantize, static_argnums=1)(x, fused)
+    np.testing.assert_array_equal(a["codes"], b["codes"])
+    np.testing.assert_array_equal(a["scales"], b["scales"])
+    xla_h, fused_h = Quantizer(bits, 128, True), Quantizer(bits, 128, True, "pallas")
+    np.testing.assert_allclose(jit_roundtrip(x, fused_h), jit_roundtrip(x, xla_h), atol=2e-4)
+
+
+@pytest.mark.slow
+def test_tlq_reduce_scatter_with_the_pallas_kernel_matches_xla():
+  mesh = mesh_lib.make_mesh({"data": 2, "fsdp": 4, "stage": 1, "tensor": 1})
+  grads = jax.random.normal(jax.random.key(0), (8, 32, 256))
+  out = {}
+  for kernel in ("xla", "pallas"):
+    intra, inter = Quantizer(8, 128, kernel=kernel), Quantizer(4, 128, True, kernel)
+    out[kernel] = _run(mesh, lambda g: collectives.tlq_reduce_scatter(g[0], 1, intra=intra,
+                                                                      inter=inter),
+                       P(("data", "fsdp")), P(None, "fsdp"), grads)
+  # The kernel's matmul transform and the FWHT round differently, so a code near a tie can
+  # flip (moving its group by one step / sqrt(g)): compare their errors against the exact mean.
+  exact = grads.mean(0)
+  rel = {k: float(jnp.linalg.norm(v - exact) / jnp.linalg.norm(exact)) for k, v in out.items()}
+  assert rel["xla"] < 0.25 and abs(rel["pallas"] - rel["xla"]) < 0.1 * rel["xla"], rel
+  same = float(jnp.mean(jnp.isclose(out["pallas"], out["xla"], atol=1e-4)))
+  assert same > 0.75, same
+
+
+def test_unknown_kernel_is_a_config_error():
+  with pytest.raises(ConfigError, match="optimizer.sdp4bit.kernel='triton'"):
+    validate(_sdp4bit(kernel="triton"), 8)

@@ -45,11 +45,12 @@ class DataParallel:
   def __init__(self, config: SDP4BitConfig, param_names):
     self.config = config
     self.dims = fsdp_dims(param_names)
+    k = config.kernel
     self.weights = (_EXACT if config.weights == "none"
-                    else Quantizer(config.weight_bits, config.weight_group))
-    self.intra = (Quantizer(config.grad_bits_intra, config.grad_group)
+                    else Quantizer(config.weight_bits, config.weight_group, kernel=k))
+    self.intra = (Quantizer(config.grad_bits_intra, config.grad_group, kernel=k)
                   if config.gradients else _EXACT)
-    self.inter = (Quantizer(config.grad_bits_inter, config.grad_group, config.hadamard)
+    self.inter = (Quantizer(config.grad_bits_inter, config.grad_group, config.hadamard, k)
                   if config.gradients else _EXACT)
 
   def reference_shardings(self, param_shardings):

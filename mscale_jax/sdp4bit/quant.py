@@ -33,6 +33,7 @@ class Quantizer:
   bits: int = 4
   group: int = 128
   hadamard: bool = False
+  kernel: str = "xla"          # 'pallas': the fused kernel of pallas_kernels/quantize.py
 
   @property
   def exact(self) -> bool:
@@ -97,6 +98,9 @@ def quantize(x: jax.Array, q: Quantizer) -> dict[str, jax.Array]:
   if q.bits == 16:
     return {"values": x.astype(jnp.bfloat16)}
   groups = _groups(x, q.group)
+  if q.kernel == "pallas":
+    codes, scales = _kernel_quantize(groups, q)
+    return {"codes": _pack(codes, q.bits), "scales": scales}
   if q.hadamard:
     groups = hadamard(groups)
   scales = jnp.max(jnp.abs(groups), axis=1)
@@ -105,11 +109,37 @@ def quantize(x: jax.Array, q: Quantizer) -> dict[str, jax.Array]:
   return {"codes": _pack(codes, q.bits), "scales": scales}
 
 
+_KERNEL_BLOCK = 64     # groups per program of the Pallas kernel (pads to a multiple of it)
+
+
+def _padded_rows(a: jax.Array) -> jax.Array:
+  return jnp.pad(a, ((0, -a.shape[0] % _KERNEL_BLOCK),) + ((0, 0),) * (a.ndim - 1))
+
+
+def _kernel_quantize(groups: jax.Array, q: Quantizer):
+  """(int32 codes, scales) of [n_groups, g] from the fused kernel (offset-binary undone)."""
+  from pallas_kernels import quantize as kernel
+  n = groups.shape[0]
+  codes, scales = kernel.quantize(_padded_rows(groups), bits=q.bits, hadamard=q.hadamard)
+  return codes[:n].astype(jnp.int32) - (levels(q.bits) + 1), scales[:n]
+
+
+def _kernel_dequantize(codes: jax.Array, scales: jax.Array, q: Quantizer) -> jax.Array:
+  """[n_groups, g] float32 from int32 codes through the fused kernel."""
+  from pallas_kernels import quantize as kernel
+  n = codes.shape[0]
+  offset = (codes + levels(q.bits) + 1).astype(jnp.uint8)
+  return kernel.dequantize(_padded_rows(offset), _padded_rows(scales), bits=q.bits,
+                           hadamard=q.hadamard)[:n]
+
+
 def dequantize(payload: dict[str, jax.Array], n: int, q: Quantizer) -> jax.Array:
   """The float32 [n] that `payload` (from `quantize` of an [n] vector) stands for."""
   if "values" in payload:
     return payload["values"].astype(jnp.float32)
   codes = _unpack(payload["codes"], q.bits, q.group)
+  if q.kernel == "pallas":
+    return _kernel_dequantize(codes, payload["scales"], q).reshape(-1)[:n]
   groups = codes.astype(jnp.float32) * (payload["scales"][:, None] / levels(q.bits))
   if q.hadamard:
     groups = hadamard(groups)
