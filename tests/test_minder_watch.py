@@ -67,3 +67,11 @@ def test_launch_refuses_minder_with_two_processes(tmp_path):
   assert result.returncode == 2, result.stderr[-2000:]
   lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and "--straggler_detector" in lines[0] and ">= 3" in lines[0]
+
+
+def test_watch_skips_samples_not_shaped_like_samples():
+  watch = MinderWatch(fit_s=60)
+  watch.add(0, ["x", None, {"t": "soon"}, {"t": float("nan")}, {"t": 5.2, "cpu_frac": "hi",
+                                                               "rss_mb": 10}])
+  assert list(watch._samples[0]) == [5]
+  assert watch._samples[0][5]["cpu_frac"] is None and watch._samples[0][5]["rss_mb"] == 10.0

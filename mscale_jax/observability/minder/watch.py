@@ -27,6 +27,10 @@ WATCH_METRICS = ("step_time_s", "data_wait_s", "cpu_frac", "rss_mb", "hb_rtt_ms"
                  "io_write_mb_s", "device_mem_mb")
 
 
+def _number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x)
+
+
 class MinderWatch:
   """Args:
     fit_s: seconds of aligned samples (all ranks) to train on before detecting.
@@ -52,9 +56,13 @@ class MinderWatch:
       self.detector = MinderDetector(self.minder)
 
   def add(self, rank: int, samples: list[dict]) -> None:
+    """A heartbeat's samples; anything not shaped like one (a dict with a finite time and
+    numbers or None for the metrics) is skipped: heartbeats come from the network."""
     for s in samples or ():
-      if s.get("t") is not None:
-        self._samples[rank][int(s["t"])] = s
+      if not isinstance(s, dict) or not _number(s.get("t")):
+        continue
+      clean = {m: float(s[m]) if _number(s.get(m)) else None for m in WATCH_METRICS}
+      self._samples[rank][int(s["t"])] = clean
 
   def update(self, ranks: list[int]) -> list:
     """Aligns new whole seconds for `ranks`; fits or checks. Returns new flags with `rank`
