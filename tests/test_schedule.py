@@ -9,7 +9,8 @@ from mscale_jax.parallel import schedule as S
 CASES = ([("gpipe", p, v, m) for p in (2, 3, 4, 8) for v in (1, 2, 3) for m in (1, 2, 5, 8, 16)]
          + [("1f1b", p, 1, m) for p in (2, 3, 4, 5, 8) for m in (1, 2, 3, 7, 8, 16, 33)]
          + [("interleaved_1f1b", p, v, k * p) for p in (2, 3, 4, 8) for v in (2, 3, 4)
-            for k in (1, 2, 3, 5)])
+            for k in (1, 2, 3, 5)]
+         + [("zb_h1", p, 1, m) for p in (2, 3, 4, 5, 8) for m in (1, 2, 3, 7, 8, 16, 33)])
 
 
 def _all_cases(latencies=(0, 1)):
@@ -19,7 +20,8 @@ def _all_cases(latencies=(0, 1)):
 @pytest.mark.parametrize("schedule,p,v,m,latency", _all_cases())
 def test_every_pass_once_and_after_its_dependencies(schedule, p, v, m, latency):
   table = S.build(schedule, p, v, m, latency)
-  want = {S.Action(kind, i, c) for kind in "FB" for i in range(m) for c in range(v)}
+  kinds = "FBW" if schedule == "zb_h1" else "FB"
+  want = {S.Action(kind, i, c) for kind in kinds for i in range(m) for c in range(v)}
   for s in range(p):
     row = [a for a in table.grid[s] if a is not None]
     assert len(row) == len(want) and set(row) == want        # each exactly once
@@ -29,6 +31,8 @@ def test_every_pass_once_and_after_its_dependencies(schedule, p, v, m, latency):
       i, c = action.microbatch, action.chunk
       if action.kind == "B":
         assert table.tick_of(s, S.Action("F", i, c)) < t
+      if action.kind == "W":                                  # same stage, after its B
+        assert table.tick_of(s, S.Action("B", i, c)) < t
       # The neighbour this pass waits for ran at least 1 + latency ticks before.
       if action.kind == "F" and (s, c) != (0, 0):
         src, chunk = (s - 1, c) if s else (p - 1, c - 1)
@@ -52,7 +56,8 @@ def test_messages_connect_each_pass_to_its_consumer(schedule, p, v, m, latency):
   assert len(received) == 2 * (p * v - 1) * m
 
 
-@pytest.mark.parametrize("schedule,p,v,m", [c for c in CASES if c[2] == 1 or c[3] >= c[1]])
+@pytest.mark.parametrize("schedule,p,v,m", [c for c in CASES if c[0] != "zb_h1"
+                                                if c[2] == 1 or c[3] >= c[1]])
 def test_bubble_fraction_without_latency(schedule, p, v, m):
   """(p-1)/(v*m) for interleaved 1F1B, (p-1)/m for 1F1B and GPipe (v=1). With v > 1 and
   fewer microbatches than stages, chunk c+1 would wait for the wrap-around: not a case here."""
@@ -61,7 +66,7 @@ def test_bubble_fraction_without_latency(schedule, p, v, m):
   assert table.bubble_fraction == pytest.approx((p - 1) / (v * m), abs=1e-12)
 
 
-@pytest.mark.parametrize("schedule,p,v,m", [c for c in CASES
+@pytest.mark.parametrize("schedule,p,v,m", [c for c in CASES if c[0] != "zb_h1"
                                                 if c[0] != "gpipe" or c[3] >= 2 * c[1]])
 def test_tick_count_with_one_tick_latency(schedule, p, v, m):
   """Overlapped sends (used one tick later) double the fill and drain: 4(p-1) idle ticks, and
@@ -110,6 +115,7 @@ def test_megatron_warmup_counts():
 @pytest.mark.parametrize("args,words", [
     (("zero_bubble", 2, 1, 4), "one of"),
     (("1f1b", 2, 2, 4), "virtual=1"),
+    (("zb_h1", 2, 2, 4), "virtual=1"),
     (("interleaved_1f1b", 4, 2, 6), "multiple of 4"),
     (("gpipe", 0, 1, 4), "positive"),
     (("gpipe", 2, 1, 4, 2), "latency"),
@@ -124,3 +130,30 @@ def test_large_tables_are_fast_enough_for_planners():
   a 2p-microbatch table (no timing asserted; this only has to finish)."""
   idle, peak = S.summary("interleaved_1f1b", 32, 8, 512)
   assert idle == 2 * 31 and peak[0] == 32 * 8 + 31
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 5, 8) for m in (2, 3, 7, 8, 16, 33)
+                                 if m >= p])
+def test_zb_h1_bubble_is_a_third_of_1f1b_at_the_same_peak(p, m):
+  """ZB-H1 (Qi et al., ICLR 2024): with T_F = T_B = T_W the authors give a bubble rate of
+  (p-1)/(3m) against 1F1B's (p-1)/m, at 1F1B's activation memory. In ticks (F, B, W one each)
+  that is p-1 idle ticks per stage (1F1B idles 2(p-1) ticks of F or whole backward), with
+  at most 1F1B's first-stage peak of min(m, p) microbatches in flight (F to W) on any stage."""
+  zb, ref = S.build("zb_h1", p, 1, m), S.build("1f1b", p, 1, m)
+  assert zb.busy_ticks == 3 * m and zb.idle_ticks == p - 1
+  assert zb.idle_ticks / zb.busy_ticks == pytest.approx((p - 1) / (3 * m))
+  assert max(zb.peak_inflight) == max(ref.peak_inflight) == p
+
+
+@pytest.mark.parametrize("p,m,latency", list(itertools.product((2, 4, 8), (4, 8, 16), (0, 1))))
+def test_zb_h1_w_sends_nothing_and_b_sends_upstream(p, m, latency):
+  table = S.build("zb_h1", p, 1, m, latency)
+  assert {msg.kind for msg in table.messages} == {"F", "B"}
+  for msg in table.messages:
+    if msg.kind == "B":
+      assert msg.dst == msg.src - 1
+  # One action per stage per tick, each W after its own B on the same stage.
+  for s, row in enumerate(table.grid):
+    for t, action in enumerate(row):
+      if action is not None and action.kind == "W":
+        assert table.tick_of(s, S.Action("B", action.microbatch, action.chunk)) < t
