@@ -22,6 +22,7 @@ tensor=2) on the same batch:
   step_s       wall time per step (median of --steps after a warm-up). On CPU this shows
                overhead only: the 8 "devices" share this host's cores.
 """
+import functools
 import os
 import statistics
 import time
@@ -80,77 +81,80 @@ def _setup(stages, batch_size, scan_layers=True):
 
 
 def unpipelined(microbatches):
-  """Compiled temp bytes, FLOPs (layers unrolled) and step time of the stage=1 step."""
+  """Compiled temp bytes, FLOPs (layers unrolled) and step time of the stage=1 step, and its
+  FLOPs with every layer's forward recomputed in the backward (model.remat='full')."""
+  import dataclasses
   import jax
   from mscale_jax import mesh as mesh_lib
+  from mscale_jax.model import abstract_model
   from mscale_jax.step import loss_fn
   mesh, graphdef, params, names, batch = _setup(1, microbatches * MICRO, scan_layers=False)
+  remat_graphdef, _, _ = abstract_model(dataclasses.replace(_model_config(False), remat="full"))
   with jax.set_mesh(mesh):
     params = jax.device_put(params, mesh_lib.shardings_for(mesh, names))
     batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
     step = jax.jit(lambda p, b: jax.value_and_grad(loss_fn)(p, graphdef, b))
     compiled = step.lower(params, batch).compile()
+    remat = jax.jit(lambda p, b: jax.value_and_grad(loss_fn)(p, remat_graphdef, b))
     return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "flops_per_device": compiled.cost_analysis()["flops"],
+            "flops_per_device_remat": remat.lower(params, batch).compile().cost_analysis()[
+                "flops"],
             "step_s": _time(compiled, params, batch)}
 
 
 def action_flops(plan, recompute):
   """{Op: XLA's FLOPs per device} of each op of `plan`, compiled alone on a tensor=2 mesh
-  from the executor's own chunk code (one microbatch; chunk of L / (p * v) layers)."""
+  from the executor's own chunk code for one microbatch. XLA's cost analysis counts a while
+  body once, so a chunk's layer scan is costed with one layer, and the L / (p * v) - 1 others
+  at the cost of a middle chunk's one layer."""
   import jax
   import jax.numpy as jnp
-  from mscale_jax import mesh as mesh_lib
   from mscale_jax.parallel import pipeline
   from mscale_jax.parallel.pipeline_plan import IDLE
   p, v = plan.table.stages, plan.table.virtual
   mesh, graphdef, params, _, batch = _setup(1, MICRO)
-  chunk = jax.tree.map(lambda a: a[:LAYERS // (p * v)], params[pipeline.BLOCKS])
+  layer = jax.tree.map(lambda a: a[:1], params[pipeline.BLOCKS])
   shared = {k: a for k, a in params.items() if k != pipeline.BLOCKS}
   tokens, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
-
-  def cost(fn, *args):
-    with jax.set_mesh(mesh):
-      return jax.jit(fn).lower(*args).compile().cost_analysis().get("flops", 0.0)
+  x = jnp.zeros((MICRO, SEQ, HIDDEN), jnp.float32)   # one microbatch's activations
 
   def program(shared):
     return pipeline._Chunks(graphdef, shared, plan.table.microbatches, recompute,
-                            example=(chunk, tokens, targets))
+                            example=(layer, tokens, targets))
 
-  out = {}
-  for op in plan.ops:
-    if op == IDLE:
-      continue
-    forward_op = op._replace(kind="F")
+  def stash(shared, cp, x, tokens, tgt, op):
+    return program(shared).forward(op._replace(kind="F"), cp, x, tokens, tgt)[1]
 
-    def run(shared, cp, x, tokens, tgt, op=op, forward_op=forward_op):
-      chunks = program(shared)
-      if op.kind == "F":
-        return chunks.forward(op, cp, x, tokens, tgt)
-      leaves = chunks.forward(forward_op, cp, x, tokens, tgt)[1]
-      leaves = [jax.lax.optimization_barrier(a) for a in leaves]
-      return leaves
-
-    def backward(shared, cp, leaves, tokens, tgt, op=op):
-      chunks = program(shared)
-      vjp, value = chunks.vjp(op, cp, leaves, tokens, tgt)
-      g = jnp.ones((), jnp.float32) if op.last else jnp.ones_like(chunks.act)
-      d_cp, d_sp, d_x = vjp(g)
-      if op.kind == "W":
-        return d_cp, d_sp
-      if plan.split_backward:   # B: the input cotangent only (none on the first chunk)
-        return (value, None if op.first else d_x)
-      return value, d_cp, d_sp, d_x
-
-    x = program(shared).act
+  def action(shared, cp, x, tokens, tgt, leaves, op):
+    chunks = program(shared)
     if op.kind == "F":
-      out[op] = cost(run, shared, chunk, x, tokens, targets)
-    elif plan.split_backward and op.kind == "B" and op.first:
-      out[op] = 0.0           # the first chunk's B only files the cotangent for its W
-    else:
-      leaves = jax.eval_shape(lambda *a: run(*a), shared, chunk, x, tokens, targets)
-      leaves = [jnp.zeros(a.shape, a.dtype) for a in leaves]
-      out[op] = cost(backward, shared, chunk, leaves, tokens, targets)
+      return chunks.forward(op, cp, x, tokens, tgt)
+    vjp, value = chunks.vjp(op, cp, leaves, tokens, tgt)
+    g = jnp.ones((), jnp.float32) if op.last else jnp.ones_like(chunks.act)
+    d_cp, d_sp, d_x = vjp(g)
+    if op.kind == "W":
+      return d_cp, d_sp
+    if plan.split_backward:   # B: the input cotangent only
+      return value, d_x
+    return value, d_cp, d_sp, d_x
+
+  def cost(op):
+    shapes = jax.eval_shape(functools.partial(stash, op=op), shared, layer, x, tokens, targets)
+    leaves = [jnp.zeros(a.shape, a.dtype) for a in shapes]
+    fn = jax.jit(functools.partial(action, op=op))
+    return fn.lower(shared, layer, x, tokens, targets, leaves).compile().cost_analysis().get(
+        "flops", 0.0)
+
+  out, per_chunk = {}, LAYERS // (p * v)
+  with jax.set_mesh(mesh):
+    for op in plan.ops:
+      if op == IDLE:
+        continue
+      if plan.split_backward and op.kind == "B" and op.first:
+        out[op] = 0.0         # files the cotangent for its W, computes nothing
+      else:
+        out[op] = cost(op) + (per_chunk - 1) * cost(op._replace(first=False, last=False))
   return out
 
 
@@ -183,18 +187,20 @@ def pipelined(schedule, microbatches, recompute):
           "step_s": step_s}, costs
 
 
-def expected_overhead(row, costs, flat):
-  """What the table should cost over stage=1, as a fraction of stage=1's FLOPs: with
-  recompute='full' every chunk but the last runs its forward again in its backward (the
-  last one's forward runs only there); a split backward's W derives its output-side
-  cotangents again (the cost of B, on every chunk but the first)."""
-  m, chunks = row["microbatches"], STAGES * row["virtual"]
-  forward = next(f for op, f in costs.items() if op.kind == "F" and not op.first and not op.last)
-  extra = (m * (chunks - 1) * forward) if row["recompute"] == "full" else 0.0
+def expected_overhead(row, costs, base):
+  """What the table should cost over stage=1, as a fraction of stage=1's FLOPs, from
+  references the executor does not shape: recompute='none' runs no forward twice (0);
+  'full' recomputes the forward of every chunk but the last (whose forward runs in its
+  backward only): stage=1 with every layer rematerialised, less the last chunk's share. A
+  split backward adds what its W derives again: the cotangent chain, the cost of B on every
+  chunk but the first (whose B sends nothing)."""
+  flat, chunks, m = base["flops_per_device"], STAGES * row["virtual"], row["microbatches"]
+  extra = 0.0
+  if row["recompute"] == "full":
+    extra = (base["flops_per_device_remat"] - flat) * (chunks - 1) / chunks
   if row["schedule"] == "zb_h1":
-    b_cost = next(f for op, f in costs.items() if op.kind == "B" and not op.first
-                  and not op.last)
-    extra += m * (chunks - 1) * (b_cost - (forward if row["recompute"] == "full" else 0.0))
+    b_cost = {(op.first, op.last): f for op, f in costs.items() if op.kind == "B"}
+    extra += m * ((chunks - 2) * b_cost[False, False] + b_cost[False, True])
   return extra / flat
 
 
@@ -215,7 +221,7 @@ def main(argv):
         # stage=1 runs the same batch on TENSOR devices; the pipeline on STAGES * TENSOR.
         flat = base["flops_per_device"]
         row["flops_overhead"] = row["flops_all_stages"] / flat - 1
-        row["expected_overhead"] = expected_overhead(row, costs, flat)
+        row["expected_overhead"] = expected_overhead(row, costs, base)
         row["flops_check"] = abs(row["flops_overhead"] - row["expected_overhead"]) <= TOLERANCE
         rows.append(row)
         print(f"[pipeline_bench] {schedule:>16} m={m:>2} recompute={recompute:<4}: temp "
