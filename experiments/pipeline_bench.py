@@ -158,6 +158,15 @@ def action_flops(plan, recompute):
   return out
 
 
+@functools.lru_cache(maxsize=None)
+def _action_flops_cached(schedule, virtual, recompute):
+  """`action_flops` of the schedule's ops, which do not depend on m (the smallest m with every
+  op kind: 2 * stages microbatches)."""
+  from mscale_jax.parallel import pipeline_plan
+  return action_flops(pipeline_plan.make_plan(schedule, STAGES, virtual, 2 * STAGES),
+                      recompute)
+
+
 def pipelined(schedule, microbatches, recompute):
   """Temp bytes, table-summed FLOPs per device and step time of one pipelined step."""
   import jax
@@ -175,7 +184,7 @@ def pipelined(schedule, microbatches, recompute):
     compiled = step.lower(params, batch).compile()
     step_s = _time(compiled, params, batch)
   plan = pipeline_plan.make_plan(schedule, STAGES, virtual, microbatches)
-  costs = action_flops(plan, recompute)
+  costs = _action_flops_cached(schedule, virtual, recompute)
   ops = plan.fields["op"]
   per_stage = [sum(costs[plan.ops[k]] for k in ops[:, s] if k) for s in range(STAGES)]
   return {"virtual": virtual, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,

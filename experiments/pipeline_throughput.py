@@ -118,7 +118,8 @@ def main(argv):
           f"tokens/s, {rows[name]['median_ratio']:.3f}x unpipelined{verdict}")
   path = results.write_record("pipeline_throughput", rows, out_dir=_OUT_DIR.value, extra={
       "setup": f"{LAYERS} layers, hidden {HIDDEN}, seq {SEQ}, global batch {BATCH}, "
-               f"{MICROBATCHES} microbatches; Trainer steps (AdamW) on a fixed batch",
+               f"{MICROBATCHES} microbatches; Trainer steps (optimizer "
+               f"{_config({}, {}).optimizer.name}) on a fixed batch",
       "method": f"{_REPEATS.value} rounds; each round times {_STEPS.value} steps of every "
                 f"layout in turn; medians over rounds",
       "note": f"{jax.devices()[0].platform}: 8 simulated devices share the host's cores, "

@@ -71,7 +71,7 @@ VARIANTS = [
     ("1f1b", 4, 1, 8, 2, 4, "parallel", True, "none"),
     ("1f1b", 2, 1, 2, 1, 4, "sequential", False, "none"),
     ("gpipe", 2, 1, 2, 2, 4, "parallel", True, "full"),
-    ("gpipe", 2, 1, 4, 1, 4, "sequential", False, "none"),
+    ("gpipe", 2, 1, 4, 2, 4, "sequential", False, "none"),
     ("interleaved_1f1b", 2, 2, 4, 2, 4, "sequential", True, "none"),
     ("interleaved_1f1b", 2, 2, 4, 2, 4, "parallel", False, "full"),
     ("zb_h1", 2, 1, 4, 2, 4, "parallel", False, "none"),

@@ -100,6 +100,7 @@ def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtu
   """
   if recompute not in RECOMPUTE:
     raise ValueError(f"recompute={recompute!r}: one of {', '.join(RECOMPUTE)}")
+  overlap = overlap and stages > 1      # one stage sends nothing between devices
   plan = plan_lib.make_plan(schedule, stages, virtual, microbatches, overlap)
   loss, block_grads, shared_grads = _run(params, graphdef, batch, plan, overlap, recompute)
   return loss, {**shared_grads, BLOCKS: block_grads}
@@ -110,6 +111,7 @@ def loss(params, graphdef, batch, *, schedule: str, stages: int, virtual: int,
   """The mean next-token loss of `batch` through the pipeline, forwards only (evaluation):
   each stage runs the forwards of `schedule`'s table with its own layers, so no stage ever
   holds another's. Arguments as `value_and_grad`'s."""
+  overlap = overlap and stages > 1
   plan = plan_lib.make_plan(schedule, stages, virtual, microbatches, overlap, forward=True)
   return _run(params, graphdef, batch, plan, overlap, recompute=None)
 
@@ -159,14 +161,14 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
       out = program.apply(op, t["cp"], x, t["tokens"], t["tgt"])
       return (add_loss(state, out), act, act) if op.last else (state, out, act)
     out, leaves = program.forward(op, t["cp"], x, t["tokens"], t["tgt"])
-    state = {**state, "pools": pools.store(state["pools"], op, t["stash"], leaves)}
+    state = {**state, "stash_out": pools.record(op, leaves)}
     if op.last:
       return (state if recompute == "full" else add_loss(state, out)), act, act
     return state, out, act
 
   def backward_of(op, state, t):
     """The chunk's vjp, from its stash (and, with recompute, the loss it recomputed)."""
-    leaves = pools.load(state["pools"], op, t["stash"])
+    leaves = pools.unpack(op, t["stash_in"])
     return program.vjp(op, t["cp"], leaves, t["tokens"], t["tgt"])
 
   def seed(op, t):   # the output cotangent: 1 for the loss, else the received message
@@ -176,7 +178,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     g = seed(op, t)
     if plan.split_backward:   # B: the input cotangent only; W gets the output cotangent
       if not op.last:
-        state = {**state, "cot": state["cot"].at[t["cot"]].set(g)}
+        state = {**state, "cot_out": g}
       if op.first:
         return state, act, act
       vjp, value = backward_of(op, state, t)
@@ -188,7 +190,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     return accumulate(state, t["c"], d_cp, d_sp), act, (act if op.first else d_x)
 
   def weight(op, state, t):
-    g = jnp.ones((), jnp.float32) if op.last else state["cot"][t["cot"]]
+    g = jnp.ones((), jnp.float32) if op.last else t["cot_in"]
     vjp, _ = backward_of(op, state, t)
     d_cp, d_sp, _ = vjp(g)
     return accumulate(state, t["c"], d_cp, d_sp), act, act
@@ -201,16 +203,36 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   branches = [functools.partial(kinds[op.kind], op) for op in plan.ops]
   ring_f, ring_b = _ring(p, +1, wrap=v > 1), _ring(p, -1, wrap=v > 1)
 
+  # Buffers too large to pass through the switch (XLA may copy a conditional's operands) are
+  # read before it and written after it: a branch gets its stash slot's and cotangent slot's
+  # contents and returns what to file; ticks that file nothing write a spare last slot.
+  files = {pool: jnp.asarray([op.kind == schedule_lib.FORWARD and op.pool == pool
+                              for op in plan.ops]) for pool in (plan_lib.MAIN, plan_lib.LAST)}
+  files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD and not op.last
+                           for op in plan.ops]) & plan.split_backward
+  big = ("inbox", "out_f", "out_b", "pools", "cot")
+
   def tick(carry, row):
     f = {k: a[stage] for k, a in row.items()}
     c, i = jnp.maximum(f["chunk"], 0), jnp.maximum(f["microbatch"], 0)
     slot = lambda name: jnp.maximum(f[name], 0)
     t = {"c": c, "cp": jax.tree.map(lambda a: a[c], chunks), "tokens": inputs[i],
          "tgt": targets[i], "x_in": carry["inbox"][slot("x_slot")],
-         "g_in": carry["inbox"][slot("g_slot")], "stash": slot("stash_slot"),
-         "cot": slot("cot_slot")}
-    state = {k: carry[k] for k in carry if k not in ("inbox", "out_f", "out_b")}
+         "g_in": carry["inbox"][slot("g_slot")]}
+    state = {k: carry[k] for k in carry if k not in big}
+    if "pools" in carry:
+      t["stash_in"] = pools.read(carry["pools"], slot("stash_slot"))
+      state["stash_out"] = pools.blank()
+    if "cot" in carry:
+      t["cot_in"], state["cot_out"] = carry["cot"][slot("cot_slot")], act
     state, out_f, out_b = jax.lax.switch(f["op"], branches, state, t)
+    if "pools" in carry:
+      write = {pool: jnp.where(files[pool][f["op"]], slot("stash_slot"),
+                               plan.stash_slots[pool]) for pool in files}
+      state["pools"] = pools.write(carry["pools"], state.pop("stash_out"), write)
+    if "cot" in carry:
+      write = jnp.where(files_cot[f["op"]], slot("cot_slot"), plan.cotangent_slots)
+      state["cot"] = carry["cot"].at[write].set(state.pop("cot_out"))
     if overlap:   # send the previous tick's outputs while this tick computed
       send_f, send_b = carry["out_f"], carry["out_b"]
     else:
@@ -231,7 +253,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     carry.update(pools=pools.zeros(), grad_chunks=jax.tree.map(jnp.zeros_like, chunks),
                  grad_shared=grad_shared)
   if plan.split_backward:
-    carry.update(cot=_slots(plan.cotangent_slots, act))
+    carry.update(cot=_slots(plan.cotangent_slots + 1, act))
   if overlap:
     carry.update(out_f=act, out_b=act)
   rows = {k: jnp.asarray(a) for k, a in plan.fields.items()}
@@ -337,22 +359,37 @@ class _Pools:
     self.act_shape = program.act.shape
 
   def zeros(self) -> dict:
+    """The pools, each array [slots + 1, *shape]: the last slot takes writes of ticks that
+    file nothing."""
     out = {}
     for pool, keys in self.arrays.items():
-      slots = self.plan.stash_slots[pool]
+      slots = self.plan.stash_slots[pool] + 1
       out[pool] = [jnp.zeros((slots,) + shape, dtype) for shape, dtype, _ in keys]
       out[pool] = [constrain(a, (None,) + RESIDUAL) if a.shape[1:] == self.act_shape
                    else a for a in out[pool]]
     return out
 
-  def store(self, pools: dict, op, slot, leaves) -> dict:
-    arrays = list(pools[op.pool])
-    for leaf, k in zip(leaves, self.layout[op.first, op.last]):
-      arrays[k] = arrays[k].at[slot].set(leaf)
-    return {**pools, op.pool: arrays}
+  def blank(self) -> dict:
+    """A record of one slot of every array, zeros (what a tick that files nothing writes)."""
+    return {pool: [jnp.zeros(shape, dtype) for shape, dtype, _ in keys]
+            for pool, keys in self.arrays.items()}
 
-  def load(self, pools: dict, op, slot) -> list:
-    return [pools[op.pool][k][slot] for k in self.layout[op.first, op.last]]
+  def record(self, op, leaves) -> dict:
+    """`blank()` with `op`'s stashed leaves in their places."""
+    out = self.blank()
+    for leaf, k in zip(leaves, self.layout[op.first, op.last]):
+      out[op.pool][k] = leaf
+    return out
+
+  def read(self, pools: dict, slot) -> dict:
+    return {pool: [a[slot] for a in arrays] for pool, arrays in pools.items()}
+
+  def unpack(self, op, record: dict) -> list:
+    return [record[op.pool][k] for k in self.layout[op.first, op.last]]
+
+  def write(self, pools: dict, record: dict, slots: dict) -> dict:
+    return {pool: [a.at[slots[pool]].set(r) for a, r in zip(arrays, record[pool])]
+            for pool, arrays in pools.items()}
 
 
 # With one stage a collective over 'stage' is the identity; XLA's partitioner refuses some

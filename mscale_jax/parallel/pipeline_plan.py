@@ -124,6 +124,10 @@ def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
     action = schedule_lib.Action(msg.kind, msg.microbatch, msg.chunk)
     arrivals[(msg.dst, action)] = msg
     uses[(msg.dst, action)] = (msg.ready, table.tick_of(msg.dst, action))
+    if msg.ready > uses[(msg.dst, action)][1]:
+      raise ValueError(f"{schedule} table (p={p}, v={v}, m={microbatches}, latency="
+                       f"{table.latency}) runs {action} on stage {msg.dst} at tick "
+                       f"{uses[(msg.dst, action)][1]}, before its input arrives ({msg})")
   for s in range(p):
     inbox, count = assign({k: span for k, span in uses.items() if k[0] == s})
     inbox_slots = max(inbox_slots, count)
