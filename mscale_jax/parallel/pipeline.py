@@ -156,7 +156,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     return {**state, "loss": state["loss"] + value}
 
   def forward(op, state, t):
-    x = act if op.first else t["x_in"]
+    x = program.embed(t["tokens"]) if op.first else t["x_in"]
     if recompute is None:   # evaluation
       out = program.apply(op, t["cp"], x, t["tokens"], t["tgt"])
       return (add_loss(state, out), act, act) if op.last else (state, out, act)
@@ -179,7 +179,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     if plan.split_backward:   # B: the input cotangent only; W gets the output cotangent
       if not op.last:
         state = {**state, "cot_out": g}
-      if op.first:
+      if op.first:    # nothing to send; its W back-propagates into the embedding
         return state, act, act
       vjp, value = backward_of(op, state, t)
       state = state if value is None else add_loss(state, value)
@@ -187,13 +187,13 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     vjp, value = backward_of(op, state, t)
     state = state if value is None else add_loss(state, value)
     d_cp, d_sp, d_x = vjp(g)
-    return accumulate(state, t["c"], d_cp, d_sp), act, (act if op.first else d_x)
+    return accumulate(state, t["c"], d_cp, d_sp), act, d_x
 
   def weight(op, state, t):
     g = jnp.ones((), jnp.float32) if op.last else t["cot_in"]
     vjp, _ = backward_of(op, state, t)
-    d_cp, d_sp, _ = vjp(g)
-    return accumulate(state, t["c"], d_cp, d_sp), act, act
+    d_cp, d_sp, d_x = vjp(g)
+    return accumulate(state, t["c"], d_cp, d_sp), act, (d_x if op.first else act)
 
   def idle(op, state, t):
     return state, act, act
@@ -211,6 +211,8 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD and not op.last
                            for op in plan.ops]) & plan.split_backward
   big = ("inbox", "out_f", "out_b", "pools", "cot")
+  embeds_back = jnp.asarray([op.first and op.kind == (
+      schedule_lib.WEIGHT if plan.split_backward else schedule_lib.BACKWARD) for op in plan.ops])
 
   def tick(carry, row):
     f = {k: a[stage] for k, a in row.items()}
@@ -226,6 +228,14 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     if "cot" in carry:
       t["cot_in"], state["cot_out"] = carry["cot"][slot("cot_slot")], act
     state, out_f, out_b = jax.lax.switch(f["op"], branches, state, t)
+    if recompute is not None and program.replicated:
+      # The embedding's backward, on every tick and stage (outside the switch: see
+      # `_Chunks`), fed the first chunk's input cotangent on its backward ticks, else zeros.
+      _, embed_vjp = jax.vjp(lambda tables: program.embed(t["tokens"], tables),
+                             {k: shared[k] for k in program.replicated})
+      (d_tables,) = embed_vjp(jnp.where(embeds_back[f["op"]], out_b, 0).astype(out_b.dtype))
+      state["grad_shared"] = {**state["grad_shared"], **{
+          k: state["grad_shared"][k] + g for k, g in d_tables.items()}}
     if "pools" in carry:
       write = {pool: jnp.where(files[pool][f["op"]], slot("stash_slot"),
                                plan.stash_slots[pool]) for pool in files}
@@ -249,7 +259,6 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   carry = {"inbox": _slots(plan.inbox_slots + 1, act), "loss": jnp.zeros((), jnp.float32)}
   if recompute is not None:
     grad_shared = jax.tree.map(jnp.zeros_like, shared)
-    grad_shared.update({k: _replicated(grad_shared[k]) for k in program.replicated})
     carry.update(pools=pools.zeros(), grad_chunks=jax.tree.map(jnp.zeros_like, chunks),
                  grad_shared=grad_shared)
   if plan.split_backward:
@@ -272,10 +281,12 @@ class _Chunks:
 
   A chunk differentiates its block parameters, the shared parameters it uses (embedding on
   the first, all of them on the last, whose head may be tied to the embedding) and its input.
-  The first chunk reads a copy of the embedding tables replicated over the stage's devices
-  (gathered once per step, before the ticks): a gather from a tensor-sharded table inside
-  the tick's switch is partitioned with collective-permutes over every device, which
-  deadlock when the stages take different branches (XLA:CPU, jax 0.10).
+  The first chunk's input is the embedding of its tokens, looked up (in its branch) in a copy
+  of the tables replicated over the stage's devices, gathered once per step before the ticks;
+  the embedding's backward runs outside the switch (`_per_stage`). Inside the switch XLA
+  partitions a gather from a tensor-sharded table, and the scatter-add of its backward, with
+  collective-permutes over every device, which deadlock when the stages take different
+  branches (XLA:CPU, jax 0.10).
   """
 
   def __init__(self, graphdef, shared, microbatches: int, recompute: str, example):
@@ -289,19 +300,31 @@ class _Chunks:
   def _model(self, cp, sp):
     return nnx.merge(self.graphdef, {**self.shared, **sp, BLOCKS: cp})
 
+  def embed(self, tokens, tables=None):
+    """The first chunk's input [batch, seq, hidden] from `tables` (default: the replicated
+    copy; no gradient flows from the chunk into it: see `_per_stage`)."""
+    tables = self.replicated if tables is None else tables
+    return self._model(self.example[0], tables).embed_tokens(tokens)
+
   def _own(self, op) -> dict:
     """The shared parameters `op`'s chunk reads and differentiates."""
-    return {**(self.shared if op.last else {}), **(self.replicated if op.first else {})}
+    return self.shared if op.last else {}
 
   def _fn(self, op, tokens, tgt):
     def fn(cp, sp, x):
       model = self._model(cp, sp)
-      h = model.run_blocks(model.embed_tokens(tokens) if op.first else x)
+      h = model.run_blocks(x)
       return _cross_entropy(model.head(h), tgt) / self.m if op.last else h
     return fn
 
   def _vjp(self, op, cp, x, tokens, tgt):
-    return jax.vjp(self._fn(op, tokens, tgt), cp, self._own(op), x)
+    fn = self._fn(op, tokens, tgt)
+    if self.recompute == "none":
+      # Keep the matmul outputs, recompute elementwise work: the stash then holds what a
+      # backward needs to run no matmul twice, not every intermediate (and no copies of
+      # weights) that jax.vjp would otherwise save.
+      fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+    return jax.vjp(fn, cp, self._own(op), x)
 
   def apply(self, op, cp, x, tokens, tgt):
     """The chunk's output (its loss share on the last chunk), no vjp."""
@@ -326,7 +349,7 @@ class _Chunks:
   def vjp(self, op, cp, leaves, tokens, tgt):
     """(vjp, loss share or None) from what `forward` stashed; vjp(g) -> (d_cp, d_sp, d_x)."""
     if self.recompute == "full":
-      value, vjp = self._vjp(op, cp, self.act if op.first else leaves[0], tokens, tgt)
+      value, vjp = self._vjp(op, cp, self.embed(tokens) if op.first else leaves[0], tokens, tgt)
       return vjp, (value if op.last else None)
     structure = jax.tree.structure(jax.eval_shape(
         lambda *a: self._vjp(op, *a)[1], cp, self.act, tokens, tgt))
