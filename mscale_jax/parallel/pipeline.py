@@ -8,7 +8,9 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
   idle      nothing;
   F         its chunk of layers on a microbatch; the model's first chunk embeds the tokens
             first, its last ends in the loss head. With recompute='none' it runs under
-            `jax.vjp` and stashes the vjp's residuals (a pytree of arrays); with 'full' it
+            `jax.vjp` and stashes the vjp's residuals (a pytree of arrays: the matmul
+            outputs, as the chunk is checkpointed with `dots_saveable`, so its backward
+            redoes elementwise work but no matmul); with 'full' it
             stashes the chunk input only (and the last chunk defers everything to its B);
   B         the chunk's vjp applied to the output cotangent (the received message, or 1 for
             the loss): from the stashed residuals, or by running the forward again from the
@@ -16,7 +18,11 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
             back. With a split backward (zb_h1) B computes the input cotangent only and files
             the output cotangent for
   W         the weight gradients of that (microbatch, chunk), from the same stash.
-Embedding and head thus run on the ticks that need them only. Forward outputs travel a ring
+The loss head runs on the last chunk's ticks only and the embedding lookup on the first
+chunk's forward ticks only; the embedding's backward (a scatter-add into the table gradient)
+runs outside the switch, on every tick (zeros but on the first chunk's backward ticks):
+inside it, XLA:CPU partitions that scatter-add with collective-permutes over all devices,
+which deadlock when stages take different branches. Forward outputs travel a ring
 `ppermute` to stage s+1 (stage p-1 -> 0 is interleaving's wrap-around), input cotangents one
 to stage s-1. Messages wait in receive slots and stashes in stash slots, assigned from the
 table's lifetimes, so memory follows the schedule: 1F1B stashes ~p microbatches where GPipe
@@ -33,7 +39,6 @@ Parameters: the stacked layer axis of every block parameter is in pipeline order
 as one local [v * L/(p*v), ...] block. Other parameters are replicated over 'stage'; their
 gradients (embedding on the first stage, head on the last) are summed over 'stage' at the end.
 """
-import dataclasses
 import functools
 
 import jax
