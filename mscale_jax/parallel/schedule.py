@@ -38,7 +38,7 @@ UNIT = {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
 
 __all__ = ["SCHEDULES", "SPLIT_BACKWARD", "FORWARD", "BACKWARD", "WEIGHT", "Action", "Message",
            "Table", "build", "check", "summary", "megatron_summary", "stage_order",
-           "warmup_forwards", "inflight_cap"]
+           "warmup_forwards", "inflight_cap", "forward_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,20 +201,38 @@ class Timeline:
     return self.makespan - self.busy
 
 
-def _forward_order(m: int, group_size: int, v: int) -> list[tuple[int, int]]:
-  """(microbatch, chunk) in the order a stage runs forwards: groups of `group_size`
-  microbatches, each group through chunk 0, 1, ..., v-1 (with v = 1: microbatch order)."""
-  order = []
-  for start in range(0, m, group_size):
-    group = range(start, min(start + group_size, m))
+def forward_groups(schedule: str, p: int, m: int, latency: int = 0) -> list[int]:
+  """Sizes of the microbatch groups a stage runs through chunk 0, 1, ..., v-1 before the next
+  group (they matter only with v > 1).
+
+  GPipe: one group of m. Megatron's interleaving: groups of p, which without latency is
+  exactly what covers the wrap-around (microbatch i leaves chunk c of stage 0 and is back for
+  chunk c+1 p ticks later). With `latency` the round trip is p * (1 + latency) ticks, so the
+  groups are that large at least: m split as evenly as possible into groups of >= p(1+latency)
+  (a smaller last group would leave stage 0 waiting at its wrap-around).
+  """
+  if schedule == "gpipe":
+    return [m]
+  n = max(1, m // (p * (1 + latency)))
+  return [m // n + (k < m % n) for k in range(n)]
+
+
+def _forward_order(sizes: list[int], v: int) -> list[tuple[int, int]]:
+  """(microbatch, chunk) in the order a stage runs forwards: each group of `sizes` through
+  chunk 0, 1, ..., v-1 (with v = 1: microbatch order)."""
+  order, start = [], 0
+  for size in sizes:
     for chunk in range(v):
-      order.extend((i, chunk) for i in group)
+      order.extend((i, chunk) for i in range(start, start + size))
+    start += size
   return order
 
 
 def warmup_forwards(schedule: str, p: int, v: int, m: int, s: int, latency: int = 0) -> int:
-  """Forwards stage `s` runs before its first backward (Megatron-LM's counts; the interleaved
-  one already leaves room for a tick of latency per hop, the 1F1B ones are doubled for it)."""
+  """Forwards stage `s` runs before its first backward: Megatron-LM's counts without latency
+  ((p-s-1) * 2 + (v-1) * p interleaved, which already covers two ticks per hop; p-s-1 for
+  1F1B). With latency 1F1B's is doubled and interleaving's runs its first (larger) group
+  through the first v-1 chunks (`forward_groups`)."""
   total = v * m
   if schedule == "gpipe":
     return total
@@ -222,7 +240,8 @@ def warmup_forwards(schedule: str, p: int, v: int, m: int, s: int, latency: int 
     return min((p - s - 1) * (1 + latency), total)
   if m == p:
     return total       # Megatron: with as many microbatches as stages, all forwards first
-  return min((p - s - 1) * 2 + (v - 1) * p, total)
+  first = forward_groups(schedule, p, m, latency)[0]
+  return min((p - s - 1) * 2 + (v - 1) * first, total)
 
 
 def inflight_cap(schedule: str, p: int, v: int, m: int, s: int, latency: int = 0) -> int:
@@ -238,9 +257,7 @@ def stage_order(schedule: str, p: int, v: int, m: int, s: int, latency: int = 0)
   """The Actions of stage `s` in the order Megatron-LM runs them (the list scheduler's
   priorities): warm-up forwards, then one forward and one backward in turn, then the remaining
   backwards; with a split backward each B is followed by its W."""
-  # Megatron's groups of p microbatches per chunk; GPipe runs every microbatch through a
-  # chunk before the next chunk (breadth-first, as circular pipelines do).
-  order = _forward_order(m, m if schedule == "gpipe" else p, v)
+  order = _forward_order(forward_groups(schedule, p, m, latency), v)
   forwards = [Action(FORWARD, i, c) for i, c in order]
   backwards = [[Action(BACKWARD, i, v - 1 - c)] for i, c in order]
   if schedule in SPLIT_BACKWARD:
@@ -292,14 +309,15 @@ def build(schedule: str, p: int, v: int = 1, m: int = 1, latency: int = 0) -> Ta
                tuple(map(tuple, starts)), ticks)
 
 
-def steady_microbatches(schedule: str, p: int, v: int, m: int) -> int:
+def steady_microbatches(schedule: str, p: int, v: int, m: int, latency: int = 0) -> int:
   """The fewest microbatches whose table has the idle ticks and peak in-flight counts of m.
 
   Beyond 2p microbatches (more than the longest warm-up, 2(p-1) + (v-1)p forwards) a table
   only grows by steady pairs (triples with W), which change neither; tests check it.
-  GPipe stashes every microbatch, so its tables never shrink.
+  GPipe stashes every microbatch, so its tables never shrink; nor do interleaved tables with
+  latency, whose group sizes (`forward_groups`), and so their peaks, depend on m.
   """
-  if schedule == "gpipe":
+  if schedule == "gpipe" or (schedule == "interleaved_1f1b" and latency > 0):
     return m
   return min(m, 2 * p)
 
@@ -309,7 +327,7 @@ def summary(schedule: str, p: int, v: int, m: int, latency: int = 0) -> tuple[in
   """(idle ticks per stage, peak in-flight per stage) of `build(schedule, p, v, m, latency)`,
   from the smallest table that has them (`steady_microbatches`): fast enough for planners."""
   check(schedule, p, v, m, latency)
-  table = build(schedule, p, v, steady_microbatches(schedule, p, v, m), latency)
+  table = build(schedule, p, v, steady_microbatches(schedule, p, v, m, latency), latency)
   return table.idle_ticks, table.peak_inflight
 
 
