@@ -2,7 +2,7 @@
 
 One table, many readers: the executor (`parallel/pipeline.py`) runs its integer tick grid, the
 picture (`experiments/pipeline_schedule.py`) draws it and the performance model (`perf/`)
-costs it with real durations (`Table.timeline`).
+costs it with the passes' real durations (`Table.timeline`, `schedule_timing.py`).
 
 A tick is one action of one stage: a chunk's forward (F), backward (B) or, in the zero-bubble
 schedule, weight gradient (W) of one microbatch (dependencies: `schedule_graph.py`). `latency`
@@ -31,14 +31,16 @@ import functools
 from mscale_jax.parallel.schedule_graph import (BACKWARD, FORWARD, WEIGHT, Action,
                                                 message_target)
 from mscale_jax.parallel.schedule_place import list_schedule, place
+from mscale_jax.parallel.schedule_timing import (RECOMPUTES, UNIT, Timeline, action_durations,
+                                                 pass_costs)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 SPLIT_BACKWARD = ("zb_h1",)      # schedules whose backward is B (input grad) + W (weight grad)
-UNIT = {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
 
 __all__ = ["SCHEDULES", "SPLIT_BACKWARD", "FORWARD", "BACKWARD", "WEIGHT", "Action", "Message",
            "Table", "build", "check", "summary", "megatron_summary", "stage_order",
-           "warmup_forwards", "inflight_cap", "forward_groups"]
+           "warmup_forwards", "inflight_cap", "forward_groups", "Timeline", "pass_costs",
+           "RECOMPUTES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,53 +154,29 @@ class Table:
       peaks.append(peak)
     return tuple(peaks)
 
-  def timeline(self, durations=None, hop: float = 0.0) -> "Timeline":
-    """The table's orders run asynchronously with real durations: each action starts when its
-    stage is free and its inputs have arrived, `hop` after the sender finished.
-
-    `durations` maps F, B, W to a time (default: the tick grid's 1 each, hop = latency); B is
-    the whole backward for schedules without a split. An asynchronous executor (Megatron-LM's)
-    runs this; the lock-step one runs `lockstep_time`.
-    """
-    if durations is None:
-      durations, hop = UNIT, self.latency
+  def timeline(self, costs=None, hop: float = 0.0) -> Timeline:
+    """The table's orders run asynchronously with real pass costs (each action starts when its
+    stage is free and its inputs have arrived, `hop` after the sender finished), as
+    Megatron-LM's executor runs them. `costs` maps F, B (input gradient) and W (weight
+    gradient) of one chunk to a time (`pass_costs`); a table without a split runs B + W as
+    its backward. Default: the tick grid itself (1 per action, hop = latency)."""
+    if costs is None:
+      return Timeline(self, dict(UNIT), tuple(map(tuple, self.starts)))
+    durations = action_durations(costs, self.split_backward)
     starts = place(self.orders, self.stages, self.virtual, durations, hop)
-    return Timeline(self, dict(durations), tuple(map(tuple, starts)))
+    return Timeline(self, durations, tuple(map(tuple, starts)))
 
-  def lockstep_time(self, durations, hop: float = 0.0) -> float:
+  def lockstep_time(self, costs, hop: float = 0.0) -> float:
     """Wall time of the grid run in lock-step (every stage starts tick t together, as the SPMD
     executor does): a tick lasts as long as its slowest action; without latency every tick
     also ends in a send of `hop`, with latency the send overlaps the next tick."""
+    durations = action_durations(costs, self.split_backward)
     total = 0.0
     for t in range(self.ticks):
       compute = max((durations[row[t].kind] for row in self.grid if row[t] is not None),
                     default=0.0)
       total += compute + hop if self.latency == 0 else max(compute, hop)
     return total
-
-
-@dataclasses.dataclass(frozen=True)
-class Timeline:
-  """Start times of a Table's actions under real durations (`Table.timeline`)."""
-  table: Table
-  durations: dict
-  starts: tuple      # [stages][actions per stage], same order as table.orders
-
-  @property
-  def busy(self) -> float:
-    """Compute time of a stage (the same on every stage)."""
-    return sum(self.durations[a.kind] for a in self.table.orders[0])
-
-  @functools.cached_property
-  def makespan(self) -> float:
-    """Time from the first action's start to the last one's end."""
-    return max(st[-1] + self.durations[o[-1].kind]
-               for st, o in zip(self.starts, self.table.orders))
-
-  @property
-  def bubble(self) -> float:
-    """Time each stage idles: the makespan minus its compute."""
-    return self.makespan - self.busy
 
 
 def forward_groups(schedule: str, p: int, m: int, latency: int = 0) -> list[int]:
