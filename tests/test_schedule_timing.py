@@ -98,3 +98,21 @@ def test_overlap_costs_two_hops_per_stage_in_time(recompute):
 def test_costs_must_be_positive():
   with pytest.raises(ValueError, match="positive"):
     S.build("zb_h1", 2, 1, 2).timeline({"F": 1.0, "B": 0.0, "W": 1.0})
+
+
+def test_pipeline_schedule_record_and_picture(tmp_path):
+  """experiments/pipeline_schedule.py: the record's figures and the ZB-H1 comparison come
+  from the tables, and a timed picture is drawn."""
+  from experiments import pipeline_schedule
+  table = S.build("zb_h1", 4, 1, 8, 1)
+  fig = pipeline_schedule.figures(table, hop=0.1)
+  assert fig["ticks"] == table.ticks and fig["peak_inflight_per_stage"] == [7, 7, 7, 7]
+  assert fig["recompute_full"]["bubble"] == pytest.approx(
+      table.timeline(S.pass_costs("full"), 0.1).bubble)
+  for row in pipeline_schedule.zb_h1_comparison():
+    assert row["zb_h1_bubble"] == pytest.approx(row["paper_zb_h1"])
+    assert row["1f1b_bubble"] == pytest.approx(row["paper_1f1b"])
+    assert row["zb_h1_peak_inflight"] == row["1f1b_peak_inflight"] and row["speedup"] > 1
+  path = tmp_path / "zb.png"
+  pipeline_schedule.draw(table, str(path), "full", 0.1)
+  assert path.stat().st_size > 10_000
