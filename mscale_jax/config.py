@@ -24,7 +24,7 @@ DATA_KINDS = ("stdlib", "tokens", "synthetic", "prepared")
 DOCUMENT_KINDS = ("stdlib", "prepared")   # corpora with an end-of-document token
 TOKEN_DTYPES = ("uint16", "uint32")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")   # parallel/schedule.py
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")   # parallel/schedule.py
 NONFINITE_POLICIES = ("stop", "skip_step", "rollback")
 
 
@@ -349,10 +349,10 @@ def _check_pipeline(config: Config, mesh: dict[str, int]) -> int:
   if not m.scan_layers:
     raise ConfigError("model.scan_layers", m.scan_layers,
                       f"True with mesh.stage={stages}: the pipeline cuts the stacked layers")
-  if p.schedule == "1f1b" and p.virtual_stages != 1:
+  if p.schedule in ("1f1b", "zb_h1") and p.virtual_stages != 1:
     raise ConfigError("pipeline.virtual_stages", p.virtual_stages,
-                      "1 with schedule '1f1b' (use 'interleaved_1f1b' or 'gpipe' for more "
-                      "model chunks per stage)")
+                      f"1 with schedule '{p.schedule}' (use 'interleaved_1f1b' or 'gpipe' for "
+                      f"more model chunks per stage)")
   chunks = stages * p.virtual_stages
   if m.num_layers % chunks:
     raise ConfigError("model.num_layers", m.num_layers,

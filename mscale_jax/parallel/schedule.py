@@ -28,6 +28,7 @@ the microbatches in flight at the schedule's warm-up depth for that latency (`in
 import dataclasses
 import functools
 
+from mscale_jax.errors import ConfigError
 from mscale_jax.parallel.schedule_graph import (BACKWARD, FORWARD, WEIGHT, Action,
                                                 message_target)
 from mscale_jax.parallel.schedule_place import list_schedule, place
@@ -250,20 +251,20 @@ def stage_order(schedule: str, p: int, v: int, m: int, s: int, latency: int = 0)
 
 
 def check(schedule: str, p: int, v: int, m: int, latency: int = 0) -> None:
-  """Raises ValueError when `schedule` cannot run (p, v, m)."""
+  """Raises ConfigError (a ValueError) naming the field when `schedule` cannot run (p, v, m)."""
   if schedule not in SCHEDULES:
-    raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    raise ConfigError("schedule", schedule, f"one of {', '.join(SCHEDULES)}")
   for name, value in (("stages", p), ("virtual", v), ("microbatches", m)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise ValueError(f"{name}={value!r}: a positive integer")
+      raise ConfigError(name, value, "a positive integer")
   if latency not in (0, 1):
-    raise ValueError(f"latency={latency!r}: 0 or 1 ticks")
+    raise ConfigError("latency", latency, "0 or 1 ticks")
   if schedule in ("1f1b", "zb_h1") and v != 1:
-    raise ValueError(f"{schedule} runs one chunk per stage (virtual=1), not virtual={v}; use "
-                     f"interleaved_1f1b")
+    raise ConfigError("virtual", v, f"1: {schedule} runs one chunk per stage (virtual=1); "
+                                    f"interleaved_1f1b or gpipe run more")
   if schedule == "interleaved_1f1b" and m % p:
-    raise ValueError(f"interleaved_1f1b runs microbatches in groups of stages={p}: "
-                     f"microbatches={m} must be a multiple of {p}")
+    raise ConfigError("microbatches", m, f"a multiple of stages={p}: interleaved_1f1b runs "
+                                         f"microbatches in groups of one per stage")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -16,6 +16,7 @@ have them.) Pure Python.
 import dataclasses
 import functools
 
+from mscale_jax.errors import ConfigError
 from mscale_jax.parallel.schedule_graph import BACKWARD, FORWARD, WEIGHT
 
 RECOMPUTES = ("full", "none")
@@ -24,9 +25,9 @@ UNIT = {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
 
 def pass_costs(recompute: str, forward: float = 1.0) -> dict:
   """{F, B, W: time} of one chunk's passes for `recompute` (module table), given the time of
-  its forward. Raises ValueError for an unknown `recompute`."""
+  its forward. Raises ConfigError for an unknown `recompute`."""
   if recompute not in RECOMPUTES:
-    raise ValueError(f"recompute={recompute!r}: one of {', '.join(RECOMPUTES)}")
+    raise ConfigError("recompute", recompute, f"one of {', '.join(RECOMPUTES)}")
   backward_input = 2.0 * forward if recompute == "full" else forward
   return {FORWARD: forward, BACKWARD: backward_input, WEIGHT: forward}
 
@@ -40,7 +41,7 @@ def action_durations(costs: dict, split: bool) -> dict:
   kinds = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
   for kind in kinds:
     if not durations[kind] > 0:
-      raise ValueError(f"costs[{kind!r}]={durations[kind]!r}: a positive time")
+      raise ConfigError(f"costs[{kind!r}]", durations[kind], "a positive time")
   return durations
 
 
