@@ -110,7 +110,8 @@ def test_interleaved_peak_matches_korthikanti(p, v):
 
 
 @pytest.mark.parametrize("schedule,p,v", [("1f1b", 4, 1), ("1f1b", 7, 1), ("gpipe", 3, 2),
-                                          ("interleaved_1f1b", 4, 2), ("interleaved_1f1b", 5, 3)])
+                                          ("interleaved_1f1b", 4, 2), ("interleaved_1f1b", 5, 3),
+                                          ("zb_h1", 4, 1), ("zb_h1", 7, 1)])
 @pytest.mark.parametrize("latency", [0, 1])
 def test_summary_equals_the_full_table(schedule, p, v, latency):
   for k in (1, 2, 3, 6, 11):
@@ -213,3 +214,11 @@ def test_list_scheduled_stages_never_idle_with_ready_work(schedule, p, v, m, lat
         done = [a for a in row[:t] if a is not None]
         inflight = sum(a.kind == "F" for a in done) - sum(a.kind == release for a in done)
         assert _arrival(table, s, forwards[0]) > t or inflight >= cap, (s, t)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 5, 8) for m in (1, 2, 3, 7, 8, 16, 33)])
+def test_zb_h1_overlap_costs_at_most_the_fill_and_drain(p, m):
+  """ZB-H1's W has no successor to wait for, so a tick of latency costs it no more than 1F1B:
+  at most 2(p-1) ticks over its latency-0 table."""
+  plain, overlapped = S.build("zb_h1", p, 1, m, 0), S.build("zb_h1", p, 1, m, 1)
+  assert plain.ticks < overlapped.ticks <= plain.ticks + 2 * (p - 1)

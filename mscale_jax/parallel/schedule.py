@@ -294,9 +294,10 @@ def steady_microbatches(schedule: str, p: int, v: int, m: int, latency: int = 0)
   Beyond 2p microbatches (more than the longest warm-up, 2(p-1) + (v-1)p forwards) a table
   only grows by steady pairs (triples with W), which change neither; tests check it.
   GPipe stashes every microbatch, so its tables never shrink; nor do interleaved tables with
-  latency, whose group sizes (`forward_groups`), and so their peaks, depend on m.
+  latency, whose group sizes (`forward_groups`), and so their peaks, depend on m, nor ZB-H1's
+  with latency, whose greedy W placement varies with m.
   """
-  if schedule == "gpipe" or (schedule == "interleaved_1f1b" and latency > 0):
+  if schedule == "gpipe" or (schedule != "1f1b" and latency > 0):
     return m
   return min(m, 2 * p)
 
