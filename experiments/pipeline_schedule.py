@@ -139,9 +139,9 @@ def _stem(table) -> str:
           f"-lat{table.latency}")
 
 
-def _one(schedule, p, v, m, latency, recompute, hop, out_dir) -> tuple:
+def _one(schedule, p, v, m, latency, recompute, hop, out_dir, tag="") -> tuple:
   table = schedule_lib.build(schedule, p, v, m, latency)
-  suffix = f"-{recompute}" if recompute else ""
+  suffix = tag + (f"-{recompute}" if recompute else "")
   png = os.path.join(out_dir, _stem(table) + suffix + ".png")
   draw(table, png, recompute, hop)
   return table, png
@@ -165,7 +165,8 @@ def main(argv):
   for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
     for latency in (0, 1):
       for recompute in (None, "none"):
-        table, png = _one(schedule, 4, v, 8, latency, recompute, hop, _OUT_DIR.value)
+        table, png = _one(schedule, 4, v, 8, latency, recompute, hop, _OUT_DIR.value,
+                          tag="-all")
         pngs.append(os.path.relpath(png, results.REPO_ROOT))
       rows.append(figures(table, hop))
       fig = rows[-1]
