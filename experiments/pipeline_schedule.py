@@ -7,8 +7,9 @@ r"""Draws pipeline schedule tables and records their bubbles, in ticks and in ti
 One row per stage. Forward boxes are blue, backward (B) orange, weight-gradient (W, zb_h1)
 green, darker for later model chunks; each box shows its microbatch number. Without
 --recompute the picture is the executor's tick grid; with it, boxes are as long as their pass
-(`schedule.pass_costs`: F=1, B=1 or 2 with full recompute, W=1, in forward-times) and a
-latency-1 table's messages take --hop forward-times. The records give the idle ticks, the
+(`schedule.pass_costs`: F=1, B=1 or 2 with full recompute, W=1, in units of a microbatch's
+forward through a whole stage, so an interleaved chunk's passes are 1/v of that) and a
+latency-1 table's messages take --hop of those units. The records give the idle ticks, the
 bubble as time (free-running, as Megatron-LM runs a table; and lock-step, as our SPMD
 executor does), the peak in-flight per stage, and, with --all, ZB-H1 against the paper's
 formula and against 1F1B at equal memory. Pure Python + matplotlib: no JAX, no devices.
@@ -47,6 +48,12 @@ def _hop(table, hop: float) -> float:
   return hop if table.latency else 0.0
 
 
+def _costs(table, recompute: str) -> dict:
+  """Pass costs of one chunk in stage-forward-times: a microbatch's forward through all of a
+  stage's layers takes 1, so an interleaved chunk (1/v of them) takes 1/v."""
+  return schedule_lib.pass_costs(recompute, forward=1.0 / table.virtual)
+
+
 def draw(table: schedule_lib.Table, path: str, recompute: str | None = None,
          hop: float = 0.1) -> None:
   """Saves the table as a PNG: stages top to bottom, ticks (or time, with `recompute`'s pass
@@ -57,7 +64,7 @@ def draw(table: schedule_lib.Table, path: str, recompute: str | None = None,
   from matplotlib.patches import Patch, Rectangle
 
   p = table.stages
-  timeline = table.timeline(None if recompute is None else schedule_lib.pass_costs(recompute),
+  timeline = table.timeline(None if recompute is None else _costs(table, recompute),
                             _hop(table, hop) if recompute else 0.0)
   span = timeline.makespan
   fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * span + 1.5), 0.55 * p + 1.6))
@@ -70,7 +77,8 @@ def draw(table: schedule_lib.Table, path: str, recompute: str | None = None,
   ax.set_xlim(0, span)
   ax.set_ylim(p, 0)
   ax.set_yticks([s + 0.45 for s in range(p)], [f"stage {s}" for s in range(p)])
-  unit = "tick (one pass)" if recompute is None else f"time (forward = 1; recompute={recompute})"
+  unit = ("tick (one pass)" if recompute is None else
+          f"time (a stage's forward = 1; recompute={recompute})")
   ax.set_xlabel(unit)
   for side in ("top", "right", "left"):
     ax.spines[side].set_visible(False)
@@ -105,9 +113,9 @@ def figures(table: schedule_lib.Table, hop: float = 0.1) -> dict:
       "messages": len(table.messages),
   }
   for recompute in schedule_lib.RECOMPUTES:
-    costs, h = schedule_lib.pass_costs(recompute), _hop(table, hop)
+    costs, h = _costs(table, recompute), _hop(table, hop)
     timeline = table.timeline(costs, h)
-    out[f"recompute_{recompute}"] = {
+    out[f"recompute_{recompute}"] = {     # in stage-forward-times (_costs)
         "hop_forward_times": h, "busy": timeline.busy, "bubble": timeline.bubble,
         "bubble_fraction": timeline.bubble_fraction, "step_free_running": timeline.makespan,
         "step_lock_step": table.lockstep_time(costs, h)}
