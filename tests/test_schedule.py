@@ -222,3 +222,21 @@ def test_zb_h1_overlap_costs_at_most_the_fill_and_drain(p, m):
   at most 2(p-1) ticks over its latency-0 table."""
   plain, overlapped = S.build("zb_h1", p, 1, m, 0), S.build("zb_h1", p, 1, m, 1)
   assert plain.ticks < overlapped.ticks <= plain.ticks + 2 * (p - 1)
+
+
+def test_every_dependency_holds_over_a_wide_sweep():
+  """Beyond CASES: every (p, m) up to p = 8 and m = 3p (interleaved: p <= 6, v <= 4, m = kp
+  up to 4p), both latencies, every schedule: each action once per stage, none before its
+  inputs arrive (`_arrival`, written out in this file)."""
+  sweep = [(s, p, 1, m) for s in ("1f1b", "zb_h1") for p in range(2, 9) for m in range(1, 3 * p + 1)]
+  sweep += [("gpipe", p, v, m) for p in range(2, 7) for v in (1, 2, 3) for m in range(1, 2 * p + 1)]
+  sweep += [("interleaved_1f1b", p, v, k * p) for p in range(2, 7) for v in (2, 3, 4)
+            for k in (1, 2, 3, 4)]
+  for schedule, p, v, m in sweep:
+    for latency in (0, 1):
+      table = S.build(schedule, p, v, m, latency)
+      kinds = 3 if schedule == "zb_h1" else 2
+      for s, order in enumerate(table.orders):
+        assert len(set(order)) == len(order) == kinds * v * m
+        for action, t in zip(order, table.starts[s]):
+          assert _arrival(table, s, action) <= t, (schedule, p, v, m, latency, s, action)
