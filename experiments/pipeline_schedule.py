@@ -15,10 +15,12 @@ executor does), the peak in-flight per stage, and, with --all, ZB-H1 against the
 formula and against 1F1B at equal memory. Pure Python + matplotlib: no JAX, no devices.
 """
 import os
+import sys
 
 from absl import app, flags
 
 from experiments import results
+from mscale_jax.errors import ConfigError
 from mscale_jax.parallel import schedule as schedule_lib
 
 _SCHEDULE = flags.DEFINE_enum("schedule", "interleaved_1f1b", schedule_lib.SCHEDULES,
@@ -157,6 +159,15 @@ def _one(schedule, p, v, m, latency, recompute, hop, out_dir, tag="") -> tuple:
 
 def main(argv):
   del argv
+  try:
+    run()
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run() -> None:
+  """Draws and records what the flags ask for."""
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   device = {"platform": "python", "note": "pure-Python table"}
   hop = _HOP.value
