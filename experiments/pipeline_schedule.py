@@ -8,8 +8,9 @@ One row per stage. Forward boxes are blue, backward (B) orange, weight-gradient 
 green, darker for later model chunks; each box shows its microbatch number. Without
 --recompute the picture is the executor's tick grid; with it, boxes are as long as their pass
 (`schedule.pass_costs`: F=1, B=1 or 2 with full recompute, W=1, in units of a microbatch's
-forward through a whole stage, so an interleaved chunk's passes are 1/v of that) and a
-latency-1 table's messages take --hop of those units. The records give the idle ticks, the
+forward through a whole stage, so an interleaved chunk's passes are 1/v of that) and every
+message takes --hop of those units, whatever the table's latency (which only shapes its
+order). In lock-step a latency-0 tick ends with its send; a latency-1 tick overlaps it. The records give the idle ticks, the
 bubble as time (free-running, as Megatron-LM runs a table; and lock-step, as our SPMD
 executor does), the peak in-flight per stage, and, with --all, ZB-H1 against the paper's
 formula and against 1F1B at equal memory. Pure Python + matplotlib: no JAX, no devices.
@@ -31,8 +32,8 @@ _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Microbatches m.")
 _LATENCY = flags.DEFINE_integer("latency", 0, "Ticks between a send and its use (0 or 1).")
 _RECOMPUTE = flags.DEFINE_enum("recompute", None, schedule_lib.RECOMPUTES,
                                "Draw in time with these pass costs (default: ticks).")
-_HOP = flags.DEFINE_float("hop", 0.1, "A message's time in forward-times, for latency-1 tables "
-                          "in time (a send far shorter than a chunk's compute, as on GPUs).")
+_HOP = flags.DEFINE_float("hop", 0.1, "A message's time in a stage's forward-times, for the "
+                          "tables in time (a send far shorter than compute, as on GPUs).")
 _ALL = flags.DEFINE_bool("all", False, "Every schedule at p=4, m=8 (v=2 interleaved), latency 0 "
                          "and 1, and the ZB-H1 comparison, in one record.")
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(results.REPO_ROOT, "results",
@@ -46,10 +47,6 @@ _NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1
           "zb_h1": "ZB-H1"}
 
 
-def _hop(table, hop: float) -> float:
-  return hop if table.latency else 0.0
-
-
 def _costs(table, recompute: str) -> dict:
   """Pass costs of one chunk in stage-forward-times: a microbatch's forward through all of a
   stage's layers takes 1, so an interleaved chunk (1/v of them) takes 1/v."""
@@ -59,7 +56,7 @@ def _costs(table, recompute: str) -> dict:
 def draw(table: schedule_lib.Table, path: str, recompute: str | None = None,
          hop: float = 0.1) -> None:
   """Saves the table as a PNG: stages top to bottom, ticks (or time, with `recompute`'s pass
-  costs and `hop` per message of a latency-1 table) left to right."""
+  costs and `hop` per message) left to right."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -67,7 +64,7 @@ def draw(table: schedule_lib.Table, path: str, recompute: str | None = None,
 
   p = table.stages
   timeline = table.timeline(None if recompute is None else _costs(table, recompute),
-                            _hop(table, hop) if recompute else 0.0)
+                            hop if recompute else 0.0)
   span = timeline.makespan
   fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * span + 1.5), 0.55 * p + 1.6))
   for s, order in enumerate(table.orders):
@@ -115,7 +112,7 @@ def figures(table: schedule_lib.Table, hop: float = 0.1) -> dict:
       "messages": len(table.messages),
   }
   for recompute in schedule_lib.RECOMPUTES:
-    costs, h = _costs(table, recompute), _hop(table, hop)
+    costs, h = _costs(table, recompute), hop
     timeline = table.timeline(costs, h)
     out[f"recompute_{recompute}"] = {     # in stage-forward-times (_costs)
         "hop_forward_times": h, "busy": timeline.busy, "bubble": timeline.bubble,
