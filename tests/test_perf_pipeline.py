@@ -74,3 +74,19 @@ def test_plan_names_the_schedule():
   assert " zb_h1 | " in plan.describe(zb)
   inter = iteration.predict(GPT_175B, Layout(8, 8, 6, 4, 1, 256), TECH, A100, DEFAULT)
   assert " interleaved_1f1b | " in plan.describe(inter)
+
+
+def test_search_tries_zb_h1_on_every_one_chunk_pipeline(monkeypatch):
+  from mscale_jax.perf import search
+  tried = []
+  real = search.predict
+
+  def spy(model, lay, tech, hw, c):
+    tried.append((lay, tech.zb_h1))
+    return real(model, lay, tech, hw, c)
+
+  monkeypatch.setattr(search, "predict", spy)
+  search.search(GPT_175B, 256, A100, 768, TECH, top=1)
+  zb = {lay for lay, on in tried if on}
+  assert zb and all(lay.vpp == 1 and lay.pp > 1 for lay in zb)
+  assert zb == {lay for lay, on in tried if not on and lay.vpp == 1 and lay.pp > 1}
