@@ -359,7 +359,7 @@ def _check_pipeline(config: Config, mesh: dict[str, int]) -> int:
                       f"True with mesh.stage={stages}: the pipeline cuts the stacked layers")
   if p.schedule in ("1f1b", "zb_h1") and p.virtual_stages != 1:
     raise ConfigError("pipeline.virtual_stages", p.virtual_stages,
-                      f"1 with schedule {p.schedule!r} (use 'interleaved_1f1b' or 'gpipe' for "
+                      f"1 with schedule '{p.schedule}' (use 'interleaved_1f1b' or 'gpipe' for "
                       f"more model chunks per stage)")
   chunks = stages * p.virtual_stages
   if m.num_layers % chunks:

@@ -2,7 +2,7 @@
 
 One table, many readers: the executor (`parallel/pipeline.py`) runs its integer tick grid, the
 picture (`experiments/pipeline_schedule.py`) draws it and the performance model (`perf/`)
-costs it with real durations (`Table.timeline`).
+costs it with the passes' real durations (`Table.timeline`, `schedule_timing.py`).
 
 A tick is one action of one stage: a chunk's forward (F), backward (B) or, in the zero-bubble
 schedule, weight gradient (W) of one microbatch (dependencies: `schedule_graph.py`). `latency`
@@ -28,17 +28,20 @@ the microbatches in flight at the schedule's warm-up depth for that latency (`in
 import dataclasses
 import functools
 
+from mscale_jax.errors import ConfigError
 from mscale_jax.parallel.schedule_graph import (BACKWARD, FORWARD, WEIGHT, Action,
                                                 message_target)
 from mscale_jax.parallel.schedule_place import list_schedule, place
+from mscale_jax.parallel.schedule_timing import (RECOMPUTES, UNIT, Timeline, action_durations,
+                                                 pass_costs)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 SPLIT_BACKWARD = ("zb_h1",)      # schedules whose backward is B (input grad) + W (weight grad)
-UNIT = {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
 
 __all__ = ["SCHEDULES", "SPLIT_BACKWARD", "FORWARD", "BACKWARD", "WEIGHT", "Action", "Message",
            "Table", "build", "check", "summary", "megatron_summary", "stage_order",
-           "warmup_forwards", "inflight_cap"]
+           "warmup_forwards", "inflight_cap", "forward_groups", "Timeline", "pass_costs",
+           "RECOMPUTES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,23 +155,23 @@ class Table:
       peaks.append(peak)
     return tuple(peaks)
 
-  def timeline(self, durations=None, hop: float = 0.0) -> "Timeline":
-    """The table's orders run asynchronously with real durations: each action starts when its
-    stage is free and its inputs have arrived, `hop` after the sender finished.
-
-    `durations` maps F, B, W to a time (default: the tick grid's 1 each, hop = latency); B is
-    the whole backward for schedules without a split. An asynchronous executor (Megatron-LM's)
-    runs this; the lock-step one runs `lockstep_time`.
-    """
-    if durations is None:
-      durations, hop = UNIT, self.latency
+  def timeline(self, costs=None, hop: float = 0.0) -> Timeline:
+    """The table's orders run asynchronously with real pass costs (each action starts when its
+    stage is free and its inputs have arrived, `hop` after the sender finished), as
+    Megatron-LM's executor runs them. `costs` maps F, B (input gradient) and W (weight
+    gradient) of one chunk to a time (`pass_costs`); a table without a split runs B + W as
+    its backward. Default: the tick grid itself (1 per action, hop = latency)."""
+    if costs is None:
+      return Timeline(self, dict(UNIT), tuple(map(tuple, self.starts)))
+    durations = action_durations(costs, self.split_backward)
     starts = place(self.orders, self.stages, self.virtual, durations, hop)
-    return Timeline(self, dict(durations), tuple(map(tuple, starts)))
+    return Timeline(self, durations, tuple(map(tuple, starts)))
 
-  def lockstep_time(self, durations, hop: float = 0.0) -> float:
+  def lockstep_time(self, costs, hop: float = 0.0) -> float:
     """Wall time of the grid run in lock-step (every stage starts tick t together, as the SPMD
     executor does): a tick lasts as long as its slowest action; without latency every tick
     also ends in a send of `hop`, with latency the send overlaps the next tick."""
+    durations = action_durations(costs, self.split_backward)
     total = 0.0
     for t in range(self.ticks):
       compute = max((durations[row[t].kind] for row in self.grid if row[t] is not None),
@@ -177,44 +180,38 @@ class Table:
     return total
 
 
-@dataclasses.dataclass(frozen=True)
-class Timeline:
-  """Start times of a Table's actions under real durations (`Table.timeline`)."""
-  table: Table
-  durations: dict
-  starts: tuple      # [stages][actions per stage], same order as table.orders
+def forward_groups(schedule: str, p: int, m: int, latency: int = 0) -> list[int]:
+  """Sizes of the microbatch groups a stage runs through chunk 0, 1, ..., v-1 before the next
+  group (they matter only with v > 1).
 
-  @property
-  def busy(self) -> float:
-    """Compute time of a stage (the same on every stage)."""
-    return sum(self.durations[a.kind] for a in self.table.orders[0])
-
-  @functools.cached_property
-  def makespan(self) -> float:
-    """Time from the first action's start to the last one's end."""
-    return max(st[-1] + self.durations[o[-1].kind]
-               for st, o in zip(self.starts, self.table.orders))
-
-  @property
-  def bubble(self) -> float:
-    """Time each stage idles: the makespan minus its compute."""
-    return self.makespan - self.busy
+  GPipe: one group of m. Megatron's interleaving: groups of p, which without latency is
+  exactly what covers the wrap-around (microbatch i leaves chunk c of stage 0 and is back for
+  chunk c+1 p ticks later). With `latency` the round trip is p * (1 + latency) ticks, so the
+  groups are that large at least: m split as evenly as possible into groups of >= p(1+latency)
+  (a smaller last group would leave stage 0 waiting at its wrap-around).
+  """
+  if schedule == "gpipe":
+    return [m]
+  n = max(1, m // (p * (1 + latency)))
+  return [m // n + (k < m % n) for k in range(n)]
 
 
-def _forward_order(m: int, group_size: int, v: int) -> list[tuple[int, int]]:
-  """(microbatch, chunk) in the order a stage runs forwards: groups of `group_size`
-  microbatches, each group through chunk 0, 1, ..., v-1 (with v = 1: microbatch order)."""
-  order = []
-  for start in range(0, m, group_size):
-    group = range(start, min(start + group_size, m))
+def _forward_order(sizes: list[int], v: int) -> list[tuple[int, int]]:
+  """(microbatch, chunk) in the order a stage runs forwards: each group of `sizes` through
+  chunk 0, 1, ..., v-1 (with v = 1: microbatch order)."""
+  order, start = [], 0
+  for size in sizes:
     for chunk in range(v):
-      order.extend((i, chunk) for i in group)
+      order.extend((i, chunk) for i in range(start, start + size))
+    start += size
   return order
 
 
 def warmup_forwards(schedule: str, p: int, v: int, m: int, s: int, latency: int = 0) -> int:
-  """Forwards stage `s` runs before its first backward (Megatron-LM's counts; the interleaved
-  one already leaves room for a tick of latency per hop, the 1F1B ones are doubled for it)."""
+  """Forwards stage `s` runs before its first backward: Megatron-LM's counts without latency
+  ((p-s-1) * 2 + (v-1) * p interleaved, which already covers two ticks per hop; p-s-1 for
+  1F1B). With latency 1F1B's is doubled and interleaving's runs its first (larger) group
+  through the first v-1 chunks (`forward_groups`)."""
   total = v * m
   if schedule == "gpipe":
     return total
@@ -222,7 +219,8 @@ def warmup_forwards(schedule: str, p: int, v: int, m: int, s: int, latency: int 
     return min((p - s - 1) * (1 + latency), total)
   if m == p:
     return total       # Megatron: with as many microbatches as stages, all forwards first
-  return min((p - s - 1) * 2 + (v - 1) * p, total)
+  first = forward_groups(schedule, p, m, latency)[0]
+  return min((p - s - 1) * 2 + (v - 1) * first, total)
 
 
 def inflight_cap(schedule: str, p: int, v: int, m: int, s: int, latency: int = 0) -> int:
@@ -238,9 +236,7 @@ def stage_order(schedule: str, p: int, v: int, m: int, s: int, latency: int = 0)
   """The Actions of stage `s` in the order Megatron-LM runs them (the list scheduler's
   priorities): warm-up forwards, then one forward and one backward in turn, then the remaining
   backwards; with a split backward each B is followed by its W."""
-  # Megatron's groups of p microbatches per chunk; GPipe runs every microbatch through a
-  # chunk before the next chunk (breadth-first, as circular pipelines do).
-  order = _forward_order(m, m if schedule == "gpipe" else p, v)
+  order = _forward_order(forward_groups(schedule, p, m, latency), v)
   forwards = [Action(FORWARD, i, c) for i, c in order]
   backwards = [[Action(BACKWARD, i, v - 1 - c)] for i, c in order]
   if schedule in SPLIT_BACKWARD:
@@ -255,20 +251,20 @@ def stage_order(schedule: str, p: int, v: int, m: int, s: int, latency: int = 0)
 
 
 def check(schedule: str, p: int, v: int, m: int, latency: int = 0) -> None:
-  """Raises ValueError when `schedule` cannot run (p, v, m)."""
+  """Raises ConfigError (a ValueError) naming the field when `schedule` cannot run (p, v, m)."""
   if schedule not in SCHEDULES:
-    raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    raise ConfigError("schedule", schedule, f"one of {', '.join(SCHEDULES)}")
   for name, value in (("stages", p), ("virtual", v), ("microbatches", m)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise ValueError(f"{name}={value!r}: a positive integer")
+      raise ConfigError(name, value, "a positive integer")
   if latency not in (0, 1):
-    raise ValueError(f"latency={latency!r}: 0 or 1 ticks")
+    raise ConfigError("latency", latency, "0 or 1 ticks")
   if schedule in ("1f1b", "zb_h1") and v != 1:
-    raise ValueError(f"{schedule} runs one chunk per stage (virtual=1), not virtual={v}; use "
-                     f"interleaved_1f1b")
+    raise ConfigError("virtual", v, f"1: {schedule} runs one chunk per stage (virtual=1); "
+                                    f"interleaved_1f1b or gpipe run more")
   if schedule == "interleaved_1f1b" and m % p:
-    raise ValueError(f"interleaved_1f1b runs microbatches in groups of stages={p}: "
-                     f"microbatches={m} must be a multiple of {p}")
+    raise ConfigError("microbatches", m, f"a multiple of stages={p}: interleaved_1f1b runs "
+                                         f"microbatches in groups of one per stage")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -292,14 +288,16 @@ def build(schedule: str, p: int, v: int = 1, m: int = 1, latency: int = 0) -> Ta
                tuple(map(tuple, starts)), ticks)
 
 
-def steady_microbatches(schedule: str, p: int, v: int, m: int) -> int:
+def steady_microbatches(schedule: str, p: int, v: int, m: int, latency: int = 0) -> int:
   """The fewest microbatches whose table has the idle ticks and peak in-flight counts of m.
 
   Beyond 2p microbatches (more than the longest warm-up, 2(p-1) + (v-1)p forwards) a table
   only grows by steady pairs (triples with W), which change neither; tests check it.
-  GPipe stashes every microbatch, so its tables never shrink.
+  GPipe stashes every microbatch, so its tables never shrink; nor do interleaved tables with
+  latency, whose group sizes (`forward_groups`), and so their peaks, depend on m, nor ZB-H1's
+  with latency, whose greedy W placement varies with m.
   """
-  if schedule == "gpipe":
+  if schedule == "gpipe" or (schedule != "1f1b" and latency > 0):
     return m
   return min(m, 2 * p)
 
@@ -309,7 +307,7 @@ def summary(schedule: str, p: int, v: int, m: int, latency: int = 0) -> tuple[in
   """(idle ticks per stage, peak in-flight per stage) of `build(schedule, p, v, m, latency)`,
   from the smallest table that has them (`steady_microbatches`): fast enough for planners."""
   check(schedule, p, v, m, latency)
-  table = build(schedule, p, v, steady_microbatches(schedule, p, v, m), latency)
+  table = build(schedule, p, v, steady_microbatches(schedule, p, v, m, latency), latency)
   return table.idle_ticks, table.peak_inflight
 
 

@@ -80,6 +80,7 @@ class Techniques:
   efficient_ops: bool = False    # flash attention, fused LayerNorm/GeLU
   async_data: bool = False       # 'misc': async data loading, no host stalls per iteration
   lamb: bool = False
+  zb_h1: bool = False            # ZB-H1 pipeline schedule (vpp = 1) instead of (interleaved) 1F1B
 
 
 def validate(model: ModelSpec, layout: Layout, devices: int | None = None) -> None:
