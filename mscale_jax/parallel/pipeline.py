@@ -173,7 +173,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
 
   def backward_of(op, state, t):
     """The chunk's vjp, from its stash (and, with recompute, the loss it recomputed)."""
-    leaves = pools.unpack(op, t["stash_in"])
+    leaves = pools.load(t["pools"], op, t["stash_slot"])
     return program.vjp(op, t["cp"], leaves, t["tokens"], t["tgt"])
 
   def seed(op, t):   # the output cotangent: 1 for the loss, else the received message
@@ -208,9 +208,9 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   branches = [functools.partial(kinds[op.kind], op) for op in plan.ops]
   ring_f, ring_b = _ring(p, +1, wrap=v > 1), _ring(p, -1, wrap=v > 1)
 
-  # Buffers too large to pass through the switch (XLA may copy a conditional's operands) are
-  # read before it and written after it: a branch gets its stash slot's and cotangent slot's
-  # contents and returns what to file; ticks that file nothing write a spare last slot.
+  # Buffers too large to pass through the switch (XLA may copy a conditional's results) are
+  # written after it: a branch returns what to file; ticks that file nothing write a spare
+  # last slot.
   files = {pool: jnp.asarray([op.kind == schedule_lib.FORWARD and op.pool == pool
                               for op in plan.ops]) for pool in (plan_lib.MAIN, plan_lib.LAST)}
   files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD and not op.last
@@ -228,7 +228,8 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
          "g_in": carry["inbox"][slot("g_slot")]}
     state = {k: carry[k] for k in carry if k not in big}
     if "pools" in carry:
-      t["stash_in"] = pools.read(carry["pools"], slot("stash_slot"))
+      # Read-only in the switch (a branch slices the slot it needs); written after it.
+      t["pools"], t["stash_slot"] = carry["pools"], slot("stash_slot")
       state["stash_out"] = pools.blank()
     if "cot" in carry:
       t["cot_in"], state["cot_out"] = carry["cot"][slot("cot_slot")], act
@@ -409,11 +410,9 @@ class _Pools:
       out[op.pool][k] = leaf
     return out
 
-  def read(self, pools: dict, slot) -> dict:
-    return {pool: [a[slot] for a in arrays] for pool, arrays in pools.items()}
-
-  def unpack(self, op, record: dict) -> list:
-    return [record[op.pool][k] for k in self.layout[op.first, op.last]]
+  def load(self, pools: dict, op, slot) -> list:
+    """`op`'s stashed leaves in slot `slot`."""
+    return [pools[op.pool][k][slot] for k in self.layout[op.first, op.last]]
 
   def write(self, pools: dict, record: dict, slots: dict) -> dict:
     return {pool: [a.at[slots[pool]].set(r) for a, r in zip(arrays, record[pool])]
