@@ -82,9 +82,9 @@ def test_pallas_flash_attention_inside_a_stage():
   step = jax.jit(functools.partial(pipeline.value_and_grad, graphdef=graphdef, schedule="1f1b",
                                    stages=2, virtual=1, microbatches=2, recompute="none"))
   with jax.set_mesh(mesh):
-    lowered = step.lower(params, batch=batch)
-    loss, grads = lowered.compile()(params, batch=batch)
-  assert "pallas_call" in lowered.as_text() or "flash" in lowered.as_text()
+    jaxpr = str(jax.make_jaxpr(step)(params, batch=batch))
+    loss, grads = step(params, batch=batch)
+  assert "pallas_call" in jaxpr          # the kernel, not XLA's attention, runs in the stage
   grads = pipeline.reorder_layers(jax.tree.map(np.asarray, grads), LAYERS, (2, 1), (1, 1))
   assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
   for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(want_grads),
