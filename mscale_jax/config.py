@@ -114,17 +114,20 @@ class PipelineConfig:
   chunks (Megatron's interleaving: chunk c of stage s is the (c * stage + s)-th slice of the
   layers). `overlap` sends a tick's outputs while the next tick computes (MegaScale's PP
   overlap: a tick of latency per hop, which the schedule module's tables absorb).
-  `recompute`: 'none' (default) stashes each chunk's backward residuals from its forward to
-  its backward, so no forward runs twice (~25% fewer FLOPs per step than 'full', the faster
-  choice whenever the stash fits); 'full' stashes only chunk inputs and recomputes each
-  chunk's forward in its backward (least memory). 'zb_h1' splits the backward into the input
-  gradient (B) and the weight gradient (W), which fills the bubbles.
+  `recompute`: 'full' (default) stashes only chunk inputs and runs each chunk's forward
+  again in its backward; 'none' stashes each chunk's backward residuals (its matmul outputs)
+  from its forward to its backward, so no matmul runs twice (~25% fewer FLOPs per step, more
+  memory). The default is the faster one measured: on the issue-24 CPU comparison 'full' ran
+  at 0.82x the unpipelined tokens/s and 'none' at 0.60x (results/pipeline_throughput-*; not
+  profiled: most likely the stash's per-tick slot writes cost more than the recompute on
+  that memory-bound host). Measure 'none' where memory bandwidth is cheap next to compute. 'zb_h1' splits the backward into
+  the input gradient (B) and the weight gradient (W), which fills the bubbles.
   """
   schedule: str = "1f1b"
   microbatches: int = 4
   virtual_stages: int = 1
   overlap: bool = True
-  recompute: str = "none"
+  recompute: str = "full"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,7 +88,7 @@ RECOMPUTE = ("full", "none")
 
 
 def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtual: int,
-                   microbatches: int, overlap: bool = True, recompute: str = "none"):
+                   microbatches: int, overlap: bool = True, recompute: str = "full"):
   """Loss and gradients of one pipelined step; equal to `jax.value_and_grad` of the mean
   next-token loss on the unpipelined model (with params in `layer_order`).
 
