@@ -1,22 +1,28 @@
-r"""Pipeline step vs the unpipelined step: compiled temp memory, FLOPs and wall time, per schedule.
+r"""Pipeline step vs the unpipelined step: compiled temp memory and FLOPs per step, per schedule
+and recompute choice.
 
   python -m experiments.pipeline_bench            # 8 simulated CPU devices; writes results/
+  python -m experiments.pipeline_bench --microbatches=4,8 --schedules=1f1b --recompute=none
 
-For m in {4, 8, 16, 32} microbatches of 2 sequences each (the batch grows with m, as it does when
-a run adds microbatches to fill the pipeline) and each schedule (stage=4, tensor=2, 8 layers;
-interleaved with 2 chunks per stage), and the unpipelined step (stage=1, tensor=2) on the same
-batch:
-  temp_bytes   XLA's compiled memory analysis (temp buffers per device): activations, stash
-               and receive slots; this is where 1F1B and GPipe differ;
+For m microbatches of 2 sequences each (the batch grows with m, as it does when a run adds
+microbatches to fill the pipeline), each schedule (stage=4, tensor=2, 8 layers; interleaved
+with 2 chunks per stage) and each `pipeline.recompute`, and the unpipelined step (stage=1,
+tensor=2) on the same batch:
+  temp_bytes   XLA's compiled memory analysis (temp buffers per device): activations, stash,
+               cotangent and receive slots; with recompute='none' the stash holds each chunk's
+               backward residuals, so 1F1B's must stay flat in m and GPipe's grow with it;
   flops        per device per step. XLA's cost analysis counts a while-loop body once and a
                conditional as its costliest branch, so the pipelined step's FLOPs are summed
-               from the table instead: for every tick, XLA's cost of the action the stage runs
-               there (one layer's forward, its backward with the recompute, the head and loss,
-               the embedding that runs every tick), each compiled and costed on its own;
-               the unpipelined step is costed whole with its layers unrolled;
-  step_s       wall time per step (median of 3 after a warm-up). On CPU this shows overhead
-               only: the 8 "devices" share this host's cores and run one after another.
+               from the table instead: for every action a stage runs, XLA's cost of that
+               action compiled alone (the executor's own code for it: `pipeline._Chunks`);
+               the unpipelined step is costed whole with its layers unrolled. The check is
+               two-sided: the overhead over stage=1 must be what the recompute choice
+               accounts for (none: 0; full: one more forward of every chunk but the last)
+               within 2% of stage=1's FLOPs, neither more nor less;
+  step_s       wall time per step (median of --steps after a warm-up). On CPU this shows
+               overhead only: the 8 "devices" share this host's cores.
 """
+import functools
 import os
 import statistics
 import time
@@ -27,24 +33,28 @@ from absl import app, flags  # noqa: E402
 
 from experiments import results  # noqa: E402
 
-_MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "Values of m.")
-_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b"],
+_MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16"], "Values of m.")
+_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"],
                                "Schedules to measure.")
-_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per configuration.")
+_RECOMPUTE = flags.DEFINE_list("recompute", ["none", "full"], "pipeline.recompute values.")
+_STEPS = flags.DEFINE_integer("steps", 2, "Timed steps per configuration (0: no timing).")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
 
 STAGES, TENSOR, LAYERS, MICRO = 4, 2, 8, 2   # MICRO: sequences per microbatch
-SEQ, HIDDEN = 128, 64   # activations (stashed per microbatch) large next to the parameters
+SEQ, HIDDEN, VOCAB = 128, 64, 256   # activations large next to the parameters
+TOLERANCE = 0.02                    # of stage=1's FLOPs, either way
 
 
 def _model_config(scan_layers=True):
   from mscale_jax.config import ModelConfig
-  return ModelConfig(vocab_size=256, num_layers=LAYERS, hidden=HIDDEN, num_heads=4,
+  return ModelConfig(vocab_size=VOCAB, num_layers=LAYERS, hidden=HIDDEN, num_heads=4,
                      mlp_dim=4 * HIDDEN, seq_len=SEQ, scan_layers=scan_layers)
 
 
 def _time(fn, *args):
   import jax
+  if not _STEPS.value:
+    return None
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(_STEPS.value):
@@ -58,114 +68,149 @@ def _setup(stages, batch_size, scan_layers=True):
   import numpy as np
   from flax import nnx
   from mscale_jax import mesh as mesh_lib
-  from mscale_jax.model import GPT
-  from mscale_jax.model import abstract_model
+  from mscale_jax.model import GPT, abstract_model
   config = _model_config(scan_layers)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "stage": stages, "tensor": TENSOR})
   graphdef, _, names = abstract_model(config)
   with nnx.use_eager_sharding(False):
     params = nnx.to_pure_dict(nnx.state(GPT(config, rngs=nnx.Rngs(0)), nnx.Param))
   rng = np.random.default_rng(0)
-  batch = {k: rng.integers(0, 256, (batch_size, SEQ)).astype(np.int32)
+  batch = {k: rng.integers(0, VOCAB, (batch_size, SEQ)).astype(np.int32)
            for k in ("inputs", "targets")}
-  return config, mesh, graphdef, params, names, batch
+  return mesh, graphdef, params, names, batch
 
 
 def unpipelined(microbatches):
-  """Compiled temp bytes, FLOPs (layers unrolled) and step time of the stage=1 step."""
+  """Compiled temp bytes, FLOPs (layers unrolled) and step time of the stage=1 step, and its
+  FLOPs with every layer's forward recomputed in the backward (model.remat='full')."""
+  import dataclasses
   import jax
   from mscale_jax import mesh as mesh_lib
+  from mscale_jax.model import abstract_model
   from mscale_jax.step import loss_fn
-  _, mesh, graphdef, params, names, batch = _setup(1, microbatches * MICRO, scan_layers=False)
+  mesh, graphdef, params, names, batch = _setup(1, microbatches * MICRO, scan_layers=False)
+  remat_graphdef, _, _ = abstract_model(dataclasses.replace(_model_config(False), remat="full"))
   with jax.set_mesh(mesh):
     params = jax.device_put(params, mesh_lib.shardings_for(mesh, names))
     batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
     step = jax.jit(lambda p, b: jax.value_and_grad(loss_fn)(p, graphdef, b))
     compiled = step.lower(params, batch).compile()
+    remat = jax.jit(lambda p, b: jax.value_and_grad(loss_fn)(p, remat_graphdef, b))
     return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "flops_per_device": compiled.cost_analysis()["flops"],
+            "flops_per_device_remat": remat.lower(params, batch).compile().cost_analysis()[
+                "flops"],
             "step_s": _time(compiled, params, batch)}
 
 
-def action_flops(virtual, microbatches):
-  """XLA's FLOPs per device of each tick action, compiled alone on a tensor=2 mesh."""
+def action_flops(plan, recompute):
+  """{Op: XLA's FLOPs per device} of each op of `plan`, compiled alone on a tensor=2 mesh
+  from the executor's own chunk code for one microbatch. XLA's cost analysis counts a while
+  body once, so a chunk's layer scan is costed with one layer, and the L / (p * v) - 1 others
+  at the cost of a middle chunk's one layer."""
   import jax
   import jax.numpy as jnp
-  from flax import nnx
-  from mscale_jax import mesh as mesh_lib
-  from mscale_jax.parallel.pipeline import _cross_entropy
-  config, _, graphdef, params, names, batch = _setup(1, microbatches * MICRO)
-  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "stage": 1, "tensor": TENSOR})
-  per_chunk = LAYERS // (STAGES * virtual)
-  rows = MICRO
-  shared = {k: v for k, v in params.items() if k != "blocks"}
-  layer = jax.tree.map(lambda a: a[:1], params["blocks"])          # one layer
-  tokens = batch["inputs"][:rows]
-  x = jnp.zeros((rows, SEQ, HIDDEN), jnp.float32)
+  from mscale_jax.parallel import pipeline
+  from mscale_jax.parallel.pipeline_plan import IDLE
+  p, v = plan.table.stages, plan.table.virtual
+  mesh, graphdef, params, _, batch = _setup(1, MICRO)
+  layer = jax.tree.map(lambda a: a[:1], params[pipeline.BLOCKS])
+  shared = {k: a for k, a in params.items() if k != pipeline.BLOCKS}
+  tokens, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
+  x = jnp.zeros((MICRO, SEQ, HIDDEN), jnp.float32)   # one microbatch's activations
 
-  def model(cp, sp):
-    return nnx.merge(graphdef, {**sp, "blocks": cp})
+  def program(shared):
+    return pipeline._Chunks(graphdef, shared, plan.table.microbatches, recompute,
+                            example=(layer, tokens, targets))
 
-  def forward(cp, sp, x):
-    return model(cp, sp).run_blocks(x)
+  def stash(shared, cp, x, tokens, tgt, op):
+    return program(shared).forward(op._replace(kind="F"), cp, x, tokens, tgt)[1]
 
-  def backward(cp, sp, x, g):
-    return jax.vjp(lambda cp, x: forward(cp, sp, x), cp, x)[1](g)
+  def action(shared, cp, x, tokens, tgt, leaves, op):
+    chunks = program(shared)
+    if op.kind == "F":
+      return chunks.forward(op, cp, x, tokens, tgt)
+    vjp, value = chunks.vjp(op, cp, leaves, tokens, tgt)
+    g = jnp.ones((), jnp.float32) if op.last else jnp.ones_like(chunks.act)
+    d_cp, d_sp, d_x = vjp(g)
+    if op.kind == "W":
+      return d_cp, d_sp
+    if plan.split_backward:   # B: the input cotangent only
+      return value, d_x
+    return value, d_cp, d_sp, d_x
 
-  def head_backward(sp, x):
-    return jax.grad(lambda sp, x: _cross_entropy(model(layer, sp).head(x), tokens),
-                    argnums=(0, 1))(sp, x)
+  def cost(op):
+    shapes = jax.eval_shape(functools.partial(stash, op=op), shared, layer, x, tokens, targets)
+    leaves = [jnp.zeros(a.shape, a.dtype) for a in shapes]
+    fn = jax.jit(functools.partial(action, op=op))
+    return fn.lower(shared, layer, x, tokens, targets, leaves).compile().cost_analysis().get(
+        "flops", 0.0)
 
-  def embed(sp):
-    y, vjp = jax.vjp(lambda sp: model(layer, sp).embed_tokens(tokens), sp)
-    return y, vjp(y)
-
-  def cost(fn, *args):
-    with jax.set_mesh(mesh):
-      return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
-
-  fwd = cost(forward, layer, shared, x) * per_chunk
-  bwd = cost(backward, layer, shared, x, x) * per_chunk
-  return {"forward_chunk": fwd, "backward_chunk": bwd,
-          "head_and_loss": cost(head_backward, shared, x),
-          "embedding_per_tick": cost(embed, shared), "layers_per_chunk": per_chunk}
+  out, per_chunk = {}, LAYERS // (p * v)
+  with jax.set_mesh(mesh):
+    for op in plan.ops:
+      if op == IDLE:
+        continue
+      if plan.split_backward and op.kind == "B" and op.first:
+        out[op] = 0.0         # files the cotangent for its W, computes nothing
+      else:
+        out[op] = cost(op) + (per_chunk - 1) * cost(op._replace(first=False, last=False))
+  return out
 
 
-def pipelined(schedule, microbatches, costs):
+@functools.lru_cache(maxsize=None)
+def _action_flops_cached(schedule, virtual, recompute):
+  """`action_flops` of the schedule's ops, which do not depend on m (the smallest m with every
+  op kind: 2 * stages microbatches)."""
+  from mscale_jax.parallel import pipeline_plan
+  return action_flops(pipeline_plan.make_plan(schedule, STAGES, virtual, 2 * STAGES),
+                      recompute)
+
+
+def pipelined(schedule, microbatches, recompute):
   """Temp bytes, table-summed FLOPs per device and step time of one pipelined step."""
   import jax
   from mscale_jax import mesh as mesh_lib
-  from mscale_jax.parallel import pipeline
+  from mscale_jax.parallel import pipeline, pipeline_plan
   virtual = 2 if schedule == "interleaved_1f1b" else 1
-  _, mesh, graphdef, params, names, batch = _setup(STAGES, microbatches * MICRO)
+  mesh, graphdef, params, names, batch = _setup(STAGES, microbatches * MICRO)
   params = pipeline.reorder_layers(params, LAYERS, (1, 1), (STAGES, virtual))
   with jax.set_mesh(mesh):
     params = jax.device_put(params, mesh_lib.shardings_for(mesh, names))
     batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
     step = jax.jit(lambda p, b: pipeline.value_and_grad(
         p, graphdef, b, schedule=schedule, stages=STAGES, virtual=virtual,
-        microbatches=microbatches))
+        microbatches=microbatches, recompute=recompute))
     compiled = step.lower(params, batch).compile()
     step_s = _time(compiled, params, batch)
-  plan = pipeline.make_plan(schedule, STAGES, virtual, microbatches)
-  table = plan.table
-  per_stage = []
-  for s, row in enumerate(table.grid):
-    total = table.ticks * costs["embedding_per_tick"]   # runs every tick on every stage
-    for action in row:
-      if action is None:
-        continue
-      last = (s, action.chunk) == (STAGES - 1, virtual - 1)
-      if action.kind == "F":
-        total += 0 if last else costs["forward_chunk"]
-      else:
-        total += costs["backward_chunk"] + (costs["head_and_loss"] if last else 0)
-    per_stage.append(total)
-  return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+  plan = pipeline_plan.make_plan(schedule, STAGES, virtual, microbatches)
+  costs = _action_flops_cached(schedule, virtual, recompute)
+  ops = plan.fields["op"]
+  per_stage = [sum(costs[plan.ops[k]] for k in ops[:, s] if k) for s in range(STAGES)]
+  return {"virtual": virtual, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
           "flops_per_device_by_stage": per_stage, "flops_all_stages": sum(per_stage),
-          "ticks": table.ticks, "bubble_fraction": table.bubble_fraction,
+          "action_flops": {"-".join(map(str, op)): f for op, f in costs.items()},
+          "ticks": plan.table.ticks, "bubble_fraction": plan.table.bubble_fraction,
           "stash_slots": plan.stash_slots, "receive_slots": plan.inbox_slots,
-          "step_s": step_s}
+          "cotangent_slots": plan.cotangent_slots if plan.split_backward else 0,
+          "step_s": step_s}, costs
+
+
+def expected_overhead(row, costs, base):
+  """What the table should cost over stage=1, as a fraction of stage=1's FLOPs, from
+  references the executor does not shape: recompute='none' runs no forward twice (0);
+  'full' recomputes the forward of every chunk but the last (whose forward runs in its
+  backward only): stage=1 with every layer rematerialised, less the last chunk's share. A
+  split backward adds what its W derives again: the cotangent chain, the cost of B on every
+  chunk but the first (whose B sends nothing)."""
+  flat, chunks, m = base["flops_per_device"], STAGES * row["virtual"], row["microbatches"]
+  extra = 0.0
+  if row["recompute"] == "full":
+    extra = (base["flops_per_device_remat"] - flat) * (chunks - 1) / chunks
+  if row["schedule"] == "zb_h1":
+    b_cost = {(op.first, op.last): f for op, f in costs.items() if op.kind == "B"}
+    extra += m * ((chunks - 2) * b_cost[False, False] + b_cost[False, True])
+  return extra / flat
 
 
 def main(argv):
@@ -176,44 +221,42 @@ def main(argv):
     base = bases[m] = unpipelined(m)
     print(f"[pipeline_bench] stage=1, batch {m * MICRO}: temp "
           f"{base['temp_bytes'] / 2**20:.2f} MiB, {base['flops_per_device'] / 1e9:.3f} "
-          f"GFLOP/device, {base['step_s'] * 1e3:.0f} ms")
-    costs = {v: action_flops(v, m) for v in (1, 2)}
+          f"GFLOP/device", flush=True)
     for schedule in _SCHEDULES.value:
-      virtual = 2 if schedule == "interleaved_1f1b" else 1
-      row = {"schedule": schedule, "microbatches": m, "virtual": virtual,
-             **pipelined(schedule, m, costs[virtual]), "action_flops": costs[virtual]}
-      # stage=1 runs the same batch on TENSOR devices; the pipeline on STAGES * TENSOR.
-      flat = base["flops_per_device"]
-      row["flops_overhead"] = row["flops_all_stages"] / flat - 1
-      # What the schedule accounts for: every backward recomputes its chunk's forward, and
-      # the embedding runs on every stage at every tick (not once per microbatch).
-      c = costs[virtual]
-      row["recompute_share"] = m * STAGES * virtual * c["forward_chunk"] / flat
-      row["embedding_share"] = (row["ticks"] * STAGES - m) * c["embedding_per_tick"] / flat
-      row["within_accounting"] = (row["flops_overhead"]
-                                  <= row["recompute_share"] + row["embedding_share"] + 0.02)
-      rows.append(row)
-      print(f"[pipeline_bench] {schedule:>16} m={m:>2}: temp "
-            f"{row['temp_bytes'] / 2**20:6.2f} MiB, stash {row['stash_slots']:>2} slots, "
-            f"FLOPs overhead {100 * row['flops_overhead']:5.1f}% over stage=1 (recompute "
-            f"{100 * row['recompute_share']:.1f}% + embedding every tick "
-            f"{100 * row['embedding_share']:.1f}%; within: {row['within_accounting']}), "
-            f"bubble {row['bubble_fraction']:.3f}, {row['step_s'] * 1e3:.0f} ms/step")
+      for recompute in _RECOMPUTE.value:
+        row = {"schedule": schedule, "microbatches": m, "recompute": recompute}
+        figures, costs = pipelined(schedule, m, recompute)
+        row.update(figures)
+        # stage=1 runs the same batch on TENSOR devices; the pipeline on STAGES * TENSOR.
+        flat = base["flops_per_device"]
+        row["flops_overhead"] = row["flops_all_stages"] / flat - 1
+        row["expected_overhead"] = expected_overhead(row, costs, base)
+        row["flops_check"] = abs(row["flops_overhead"] - row["expected_overhead"]) <= TOLERANCE
+        rows.append(row)
+        print(f"[pipeline_bench] {schedule:>16} m={m:>2} recompute={recompute:<4}: temp "
+              f"{row['temp_bytes'] / 2**20:6.2f} MiB, stash {row['stash_slots']}, FLOPs "
+              f"overhead {100 * row['flops_overhead']:5.1f}% over stage=1 (expected "
+              f"{100 * row['expected_overhead']:.1f}% +- {100 * TOLERANCE:.0f}: "
+              f"{'ok' if row['flops_check'] else 'FAIL'}), bubble "
+              f"{row['bubble_fraction']:.3f}", flush=True)
   path = results.write_record("pipeline_bench", {"unpipelined_by_m": bases, "pipelined": rows},
                               out_dir=_OUT_DIR.value, extra={
-      "setup": f"{LAYERS} layers, hidden {HIDDEN}, seq {SEQ}, vocab 256, batch {MICRO} * m; "
-               f"pipelined: "
-               f"stage={STAGES}, tensor={TENSOR}; unpipelined: stage=1, tensor={TENSOR}",
-      "flops_note": "pipelined FLOPs are summed over the table's ticks from XLA's cost of each "
-                    "action compiled alone (XLA's cost analysis counts a while body once); "
-                    "overhead = all stages' FLOPs / unpipelined FLOPs per tensor group - 1. "
-                    "Expected sources: the backward recomputes its chunk's forward (+1/3 of "
-                    "the layers' FLOPs), the embedding runs every tick on every stage, and "
-                    "the loss head runs in the last chunk's backward only. Idle ticks compute "
-                    "nothing: the bubble costs time, not FLOPs.",
+      "setup": f"{LAYERS} layers, hidden {HIDDEN}, seq {SEQ}, vocab {VOCAB}, batch {MICRO} * m;"
+               f" pipelined: stage={STAGES}, tensor={TENSOR}; unpipelined: stage=1, "
+               f"tensor={TENSOR}",
+      "flops_check": all(r["flops_check"] for r in rows),
+      "flops_note": "pipelined FLOPs are summed over the table's actions from XLA's cost of "
+                    "each action compiled alone with the executor's chunk code (XLA's cost "
+                    "analysis counts a while body once); overhead = all stages' FLOPs / "
+                    "unpipelined FLOPs per tensor group - 1, checked two-sided against "
+                    "expected_overhead (none: 0; full: one more forward of every chunk but the"
+                    " last; zb_h1: its W derives the cotangent chain again). Idle ticks compute"
+                    " nothing: the bubble costs time, not FLOPs.",
       "wall_time_note": f"{jax.devices()[0].platform}: on CPU the simulated devices share the "
                         f"host's cores; times show overhead, not pipeline speed-up."})
   print(f"[pipeline_bench] wrote {path}")
+  if not all(r["flops_check"] for r in rows):
+    raise SystemExit("[pipeline_bench] FLOPs check failed (see flops_overhead vs expected)")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,15 @@ from mscale_jax.perf.workload import MODELS
 
 
 def describe(pred) -> str:
-  """One line: layout, switches that are off, MFU, iteration, memory."""
+  """One line: layout, pipeline schedule, switches that are off, MFU, iteration, memory and
+  the recomputation that fits."""
   lay, tech = pred.layout, pred.techniques
   off = [name for name in search.SWITCHES if not getattr(tech, name)]
   switches = "all MegaScale switches" if not off else (
       "Megatron-LM baseline" if len(off) == len(search.SWITCHES) else f"all but {','.join(off)}")
+  schedule = "zb_h1" if tech.zb_h1 else ("interleaved_1f1b" if lay.vpp > 1 else "1f1b")
   return (f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} dp={lay.dp} mb={lay.micro_batch} "
-          f"batch={lay.global_batch} | {switches} | MFU {100 * pred.mfu:.1f}% | "
+          f"batch={lay.global_batch} {schedule} | {switches} | MFU {100 * pred.mfu:.1f}% | "
           f"iter {pred.iteration_s:.2f}s | {pred.memory.total / 2**30:.1f} GiB, "
           f"recompute={pred.recompute}")
 

@@ -24,7 +24,8 @@ DATA_KINDS = ("stdlib", "tokens", "synthetic", "prepared")
 DOCUMENT_KINDS = ("stdlib", "prepared")   # corpora with an end-of-document token
 TOKEN_DTYPES = ("uint16", "uint32")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")   # parallel/schedule.py
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")   # parallel/schedule.py
+PIPELINE_RECOMPUTE = ("none", "full")   # parallel/pipeline.py
 NONFINITE_POLICIES = ("stop", "skip_step", "rollback")
 DP_COMMS = ("none", "sdp4bit")            # data-parallel collectives (mscale_jax/sdp4bit/)
 SDP4BIT_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)   # integer codes; 16: bfloat16; 32: unquantized
@@ -116,12 +117,21 @@ class PipelineConfig:
   Each data shard's batch is cut into `microbatches`; each stage holds `virtual_stages` model
   chunks (Megatron's interleaving: chunk c of stage s is the (c * stage + s)-th slice of the
   layers). `overlap` sends a tick's outputs while the next tick computes (MegaScale's PP
-  overlap; costs a tick of latency per hop, see the schedule module).
+  overlap: a tick of latency per hop, which the schedule module's tables absorb).
+  `recompute`: 'full' (default) stashes only chunk inputs and runs each chunk's forward
+  again in its backward; 'none' stashes each chunk's backward residuals (its matmul outputs)
+  from its forward to its backward, so no matmul runs twice (~25% fewer FLOPs per step, more
+  memory). The default is the faster one measured: on the issue-24 CPU comparison 'full' ran
+  at 0.82x the unpipelined tokens/s and 'none' at 0.60x (results/pipeline_throughput-*; not
+  profiled: most likely the stash's per-tick slot writes cost more than the recompute on
+  that memory-bound host). Measure 'none' where memory bandwidth is cheap next to compute. 'zb_h1' splits the backward into
+  the input gradient (B) and the weight gradient (W), which fills the bubbles.
   """
   schedule: str = "1f1b"
   microbatches: int = 4
   virtual_stages: int = 1
   overlap: bool = True
+  recompute: str = "full"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,15 +414,16 @@ def _check_pipeline(config: Config, mesh: dict[str, int]) -> int:
   if stages == 1:
     return 1
   _choice("pipeline.schedule", p.schedule, PIPELINE_SCHEDULES)
+  _choice("pipeline.recompute", p.recompute, PIPELINE_RECOMPUTE)
   _positive("pipeline.microbatches", p.microbatches)
   _positive("pipeline.virtual_stages", p.virtual_stages)
   if not m.scan_layers:
     raise ConfigError("model.scan_layers", m.scan_layers,
                       f"True with mesh.stage={stages}: the pipeline cuts the stacked layers")
-  if p.schedule == "1f1b" and p.virtual_stages != 1:
+  if p.schedule in ("1f1b", "zb_h1") and p.virtual_stages != 1:
     raise ConfigError("pipeline.virtual_stages", p.virtual_stages,
-                      "1 with schedule '1f1b' (use 'interleaved_1f1b' or 'gpipe' for more "
-                      "model chunks per stage)")
+                      f"1 with schedule '{p.schedule}' (use 'interleaved_1f1b' or 'gpipe' for "
+                      f"more model chunks per stage)")
   chunks = stages * p.virtual_stages
   if m.num_layers % chunks:
     raise ConfigError("model.num_layers", m.num_layers,

@@ -42,12 +42,27 @@ def make_gradients(graphdef, pipeline_config: PipelineConfig, layer_layout: tupl
     def pipelined(params, batch):
       return pipeline.value_and_grad(params, graphdef, batch, schedule=p.schedule,
                                      stages=stages, virtual=virtual,
-                                     microbatches=p.microbatches, overlap=p.overlap)
+                                     microbatches=p.microbatches, overlap=p.overlap,
+                                     recompute=p.recompute)
     return pipelined
 
   def plain(params, batch):
     return jax.value_and_grad(lambda p: loss_fn(p, graphdef, batch))(params)
   return plain
+
+
+def make_loss(graphdef, pipeline_config: PipelineConfig, layer_layout: tuple[int, int]):
+  """f(params, batch) -> mean loss (evaluation), params in `layer_layout`'s layer order: the
+  whole model, or with stages > 1 the forward-only pipeline (each stage keeps its layers)."""
+  stages, virtual = layer_layout
+  if stages > 1:
+    p = pipeline_config
+
+    def pipelined(params, batch):
+      return pipeline.loss(params, graphdef, batch, schedule=p.schedule, stages=stages,
+                           virtual=virtual, microbatches=p.microbatches, overlap=p.overlap)
+    return pipelined
+  return lambda params, batch: loss_fn(params, graphdef, batch)
 
 
 def train_step(state, batch, *, gradients, tx: optax.GradientTransformation, schedule,

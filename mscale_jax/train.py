@@ -145,8 +145,8 @@ class Trainer:
         functools.partial(step_lib.train_step, gradients=gradients, tx=self.tx,
                           schedule=self.schedule, **gather),
         donate_argnums=0, out_shardings=(self.state_shardings, None))
-    self._eval_loss = jax.jit(lambda params, batch: step_lib.loss_fn(
-        self._natural_order(params), self.graphdef, batch))
+    self._eval_loss = jax.jit(step_lib.make_loss(self.graphdef, config.pipeline,
+                                                 self.layer_layout))
     self._eval_executable = None
     self.nonfinite_policy = nonfinite.policy(t.on_nonfinite)
 
@@ -218,10 +218,6 @@ class Trainer:
     """`tree`'s block leaves moved from `source`'s layer order to this run's."""
     return pipeline.reorder_layers(tree, self.config.model.num_layers, source,
                                    self.layer_layout)
-
-  def _natural_order(self, params):
-    return pipeline.reorder_layers(params, self.config.model.num_layers, self.layer_layout,
-                                   (1, 1))
 
   # -- steps ---------------------------------------------------------------------------------
 

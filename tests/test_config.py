@@ -307,10 +307,19 @@ def test_microbatches_must_divide_the_per_shard_batch():
     (dict(schedule="zero_bubble"), "pipeline.schedule", "zero_bubble", ("interleaved_1f1b",)),
     (dict(schedule="1f1b", virtual_stages=2, microbatches=2), "pipeline.virtual_stages", 2,
      ("interleaved_1f1b",)),
+    (dict(schedule="zb_h1", virtual_stages=2, microbatches=2), "pipeline.virtual_stages", 2,
+     ("1 with schedule 'zb_h1'",)),
     (dict(microbatches=0), "pipeline.microbatches", 0, ("positive",)),
 ])
 def test_schedule_that_cannot_run_the_stages(pipeline, field, value, words):
   _raises(_pipelined(**pipeline), 8, field, value, *words)
+
+
+def test_config_schedules_are_the_tables():
+  """config.py lists the schedules without importing parallel/ (it sits below it)."""
+  from mscale_jax.config import PIPELINE_SCHEDULES
+  from mscale_jax.parallel.schedule import SCHEDULES
+  assert PIPELINE_SCHEDULES == SCHEDULES
 
 
 def test_pipeline_needs_stacked_layers():

@@ -17,9 +17,11 @@ import pytest
 from flax import nnx
 
 from mscale_jax import mesh as mesh_lib
-from mscale_jax.config import Config, ModelConfig
+from mscale_jax.config import Config, ModelConfig, validate
+from mscale_jax.errors import ConfigError
 from mscale_jax.model import GPT
 from mscale_jax.parallel import pipeline
+from mscale_jax.parallel import pipeline_plan as plan_lib
 from mscale_jax.model import abstract_model
 from mscale_jax.step import loss_fn
 from mscale_jax.train import Trainer
@@ -58,24 +60,33 @@ def _reference(layers: int, block: str):
   return float(loss), jax.tree.map(np.asarray, grads)
 
 
-# (schedule, stages, virtual, microbatches, tensor, layers, block, overlap): every schedule with
-# both blocks, stage 2 and 4, v 1 and 2 (4 layers: v=2 needs stage 2), tensor=2 inside every
-# stage, with and without the overlapped sends. Each is a compilation of ~5-20 s on 2 CPU cores,
-# so not the whole cross product of stages, overlap and blocks.
+# (schedule, stages, virtual, microbatches, tensor, layers, block, overlap, recompute): every
+# schedule with both recompute modes, both blocks, stage 1, 2 and 4, v 1 and 2 (4 layers: v=2
+# needs stage <= 2), m = p and m > p, tensor=2 inside a stage for some, with and without the
+# overlapped sends. Each is a compilation of ~10-40 s on 2 shared CPU cores, so not the whole
+# cross product. The batch is 8 rows: m divides it.
 VARIANTS = [
-    ("gpipe", 2, 1, 2, 2, 4, "parallel", True),
-    ("gpipe", 2, 1, 2, 2, 4, "sequential", False),
-    ("1f1b", 4, 1, 4, 2, 4, "sequential", False),
-    ("1f1b", 2, 1, 2, 2, 4, "parallel", True),
-    ("interleaved_1f1b", 2, 2, 4, 2, 4, "sequential", True),
-    ("interleaved_1f1b", 2, 2, 4, 2, 4, "parallel", False),
+    ("1f1b", 2, 1, 4, 2, 4, "parallel", True, "none"),
+    ("1f1b", 4, 1, 4, 2, 4, "sequential", False, "full"),
+    ("1f1b", 4, 1, 8, 2, 4, "parallel", True, "none"),
+    ("1f1b", 2, 1, 2, 1, 4, "sequential", False, "none"),
+    ("gpipe", 2, 1, 2, 2, 4, "parallel", True, "full"),
+    ("gpipe", 2, 1, 4, 2, 4, "sequential", False, "none"),
+    ("interleaved_1f1b", 2, 2, 4, 2, 4, "sequential", True, "none"),
+    ("interleaved_1f1b", 2, 2, 4, 2, 4, "parallel", False, "full"),
+    ("zb_h1", 2, 1, 4, 2, 4, "parallel", False, "none"),
+    ("zb_h1", 4, 1, 8, 2, 4, "sequential", True, "full"),
+    ("zb_h1", 2, 1, 2, 2, 4, "sequential", True, "none"),
+    # One stage: the one chunk embeds, runs every layer and computes the loss.
+    ("1f1b", 1, 1, 2, 2, 4, "parallel", False, "none"),
+    ("interleaved_1f1b", 1, 2, 2, 2, 4, "sequential", True, "full"),
 ]
 
 
 @functools.cache
 def _compiled(variant):
   """(compiled step, its arguments, the mesh) for one variant."""
-  schedule, p, v, m, tensor, layers, block, overlap = variant
+  schedule, p, v, m, tensor, layers, block, overlap, recompute = variant
   mesh = mesh_lib.make_mesh({"data": 8 // (p * tensor), "fsdp": 1, "stage": p,
                              "tensor": tensor})
   graphdef, _, names = abstract_model(_model_config(layers, block))
@@ -84,22 +95,13 @@ def _compiled(variant):
   batch = jax.device_put(_batch(), mesh_lib.batch_sharding(mesh))
   step = jax.jit(functools.partial(pipeline.value_and_grad, graphdef=graphdef,
                                    schedule=schedule, stages=p, virtual=v, microbatches=m,
-                                   overlap=overlap))
+                                   overlap=overlap, recompute=recompute))
   with jax.set_mesh(mesh):
     compiled = step.lower(params, batch=batch).compile()
   return compiled, (params, batch), mesh
 
 
-# The fast tier runs the first variant (the overlap test below compiles it anyway).
-@pytest.mark.parametrize("variant", VARIANTS[:1] + [pytest.param(v, marks=pytest.mark.slow)
-                                                    for v in VARIANTS[1:]],
-                         ids=lambda v: "-".join(map(str, v)))
-def test_loss_and_every_gradient_equal_unpipelined(variant):
-  schedule, p, v, m, tensor, layers, block, overlap = variant
-  compiled, (params, batch), mesh = _compiled(variant)
-  with jax.set_mesh(mesh):
-    loss, grads = compiled(params, batch=batch)
-  grads = pipeline.reorder_layers(jax.tree.map(np.asarray, grads), layers, (p, v), (1, 1))
+def _assert_equal_to_reference(loss, grads, layers, block):
   want_loss, want_grads = _reference(layers, block)
   assert float(loss) == pytest.approx(want_loss, rel=1e-6)
   flat_want = jax.tree_util.tree_leaves_with_path(want_grads)
@@ -112,6 +114,31 @@ def test_loss_and_every_gradient_equal_unpipelined(variant):
     assert scale > 0, jax.tree_util.keystr(path)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale,
                                err_msg=jax.tree_util.keystr(path))
+
+
+# The fast tier runs the first variant (the overlap test below compiles it anyway).
+@pytest.mark.parametrize("variant", VARIANTS[:1] + [pytest.param(v, marks=pytest.mark.slow)
+                                                    for v in VARIANTS[1:]],
+                         ids=lambda v: "-".join(map(str, v)))
+def test_loss_and_every_gradient_equal_unpipelined(variant):
+  schedule, p, v, m, tensor, layers, block, overlap, recompute = variant
+  compiled, (params, batch), mesh = _compiled(variant)
+  with jax.set_mesh(mesh):
+    loss, grads = compiled(params, batch=batch)
+  grads = pipeline.reorder_layers(jax.tree.map(np.asarray, grads), layers, (p, v), (1, 1))
+  _assert_equal_to_reference(loss, grads, layers, block)
+
+
+@pytest.mark.parametrize("pipeline_fields,match", [
+    (dict(recompute="some"), r"pipeline.recompute='some'.*'none', 'full'"),
+    (dict(schedule="zb_h1", virtual_stages=2), r"pipeline.virtual_stages=2.*'zb_h1'"),
+    (dict(schedule="zb", virtual_stages=1), r"pipeline.schedule='zb'.*zb_h1"),
+])
+def test_pipeline_fields_are_checked_before_compiling(pipeline_fields, match):
+  config = Config().replace(mesh=dict(stage=2), model=dict(num_layers=4),
+                            pipeline=pipeline_fields)
+  with pytest.raises(ConfigError, match=match):
+    validate(config, 8, platform="cpu")
 
 
 def test_layer_order_is_megatrons_interleaving():
@@ -127,14 +154,24 @@ def test_layer_order_is_megatrons_interleaving():
 
 
 def test_plan_slots_follow_the_schedule():
-  """Stash slots are the table's peak in-flight count: 1F1B's stays at p, GPipe's is m*v."""
+  """Stash slots are the table's peak in-flight count: 1F1B's stays at p whatever m (at most
+  2p - 1 with overlap's latency, as the table places it), GPipe's is m; the last chunk's own
+  pool holds one (its backward follows its forward)."""
   for m in (4, 16):
-    assert pipeline.make_plan("1f1b", 4, 1, m, overlap=False).stash_slots == 4
-    assert pipeline.make_plan("gpipe", 4, 1, m, overlap=False).stash_slots == m
-    assert pipeline.make_plan("1f1b", 4, 1, m, overlap=True).stash_slots <= 2 * 4 - 1
+    for overlap in (False, True):
+      one_f_one_b = plan_lib.make_plan("1f1b", 4, 1, m, overlap=overlap)
+      gpipe = plan_lib.make_plan("gpipe", 4, 1, m, overlap=overlap)
+      table = one_f_one_b.table
+      assert one_f_one_b.stash_slots[plan_lib.MAIN] == max(table.peak_inflight[:-1])
+      assert one_f_one_b.stash_slots[plan_lib.MAIN] <= (2 * 4 - 1 if overlap else 4)
+      assert one_f_one_b.stash_slots[plan_lib.LAST] == 1
+      assert gpipe.stash_slots[plan_lib.MAIN] == m
+    zb = plan_lib.make_plan("zb_h1", 4, 1, m, overlap=False)
+    assert zb.split_backward and zb.stash_slots[plan_lib.MAIN] <= 4
+    assert zb.cotangent_slots == max(zb.table.peak_awaiting_weight)
 
 
-def _temp_bytes(schedule: str, microbatches: int) -> int:
+def _temp_bytes(schedule: str, microbatches: int, recompute: str) -> int:
   """XLA's compiled temp memory per device of a stage=2 step, 2 sequences per microbatch."""
   config = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden=32, num_heads=4, mlp_dim=64,
                        seq_len=64)
@@ -147,21 +184,23 @@ def _temp_bytes(schedule: str, microbatches: int) -> int:
            for k in ("inputs", "targets")}
   step = jax.jit(functools.partial(pipeline.value_and_grad, graphdef=graphdef,
                                    schedule=schedule, stages=2, virtual=1,
-                                   microbatches=microbatches))
+                                   microbatches=microbatches, recompute=recompute))
   with jax.set_mesh(mesh):
     return step.lower(params, batch=batch).compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.slow
-def test_1f1b_temp_memory_grows_far_slower_with_microbatches_than_gpipe():
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_1f1b_temp_memory_grows_far_slower_with_microbatches_than_gpipe(recompute):
   """From XLA's compiled memory analysis (memory, not speed): going from 2 to 16 microbatches
-  of a fixed size, GPipe stashes 14 more chunk inputs, 1F1B one more (3 = 2p-1 slots with the
-  overlap's warm-up). results/pipeline_bench-*.json records the same at a larger size."""
-  growth = {schedule: _temp_bytes(schedule, 16) - _temp_bytes(schedule, 2)
+  of a fixed size, GPipe stashes 14 more microbatches (chunk inputs, or with recompute='none'
+  the backward's residuals, several times larger), 1F1B at most one more (overlap's
+  warm-up). results/pipeline_bench-*.json records the same at a larger size."""
+  growth = {schedule: _temp_bytes(schedule, 16, recompute) - _temp_bytes(schedule, 2, recompute)
             for schedule in ("gpipe", "1f1b")}
   slot = 2 * 64 * 32 * 4                      # one microbatch's chunk input, float32
-  assert growth["gpipe"] >= 14 * slot
-  assert growth["gpipe"] > 4 * growth["1f1b"] > 0
+  assert growth["gpipe"] >= 14 * slot * (2 if recompute == "none" else 1)
+  assert growth["gpipe"] > 4 * growth["1f1b"]
 
 
 # ----------------------------------------------------------------------------- PP overlap
@@ -229,7 +268,7 @@ def test_overlapped_sends_are_independent_of_the_ticks_compute():
   carry the previous tick's outputs, so they neither wait for this tick's forward/backward
   (the switch) nor feed it. On GPU this lets the async start/done pair run around the compute;
   XLA:CPU has no async collectives, so CPU shows the dependence structure only."""
-  structure = _tick_structure(VARIANTS[0])          # gpipe, overlap=True
+  structure = _tick_structure(VARIANTS[0])          # 1f1b, overlap=True
   assert len(structure) == 2                        # forward ring and backward ring
   assert all(not waits and not feeds for waits, feeds in structure)
 

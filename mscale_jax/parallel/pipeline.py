@@ -3,17 +3,30 @@
 SPMD: every stage runs the same program inside `jax.shard_map`, manual over 'stage' only (data,
 fsdp and tensor stay automatic, so the tensor-parallel region works inside a stage as it does
 without a pipeline). A `lax.scan` walks the ticks; at each tick a stage reads its row of the
-table (indexed by `axis_index('stage')`) and `lax.switch`es to one of:
-  idle            nothing (no compute on idle ticks);
-  forward         its chunk of layers on a microbatch (embedding first on chunk 0 of stage 0;
-                  the model's last chunk only stashes its input: its backward recomputes it);
-  backward        `jax.vjp` of the chunk from its stashed input (recompute), weight gradients
-                  accumulated, the input cotangent sent back (the loss head on the last chunk,
-                  the embedding on the first).
-Forward outputs travel a ring `ppermute` to stage s+1 (stage p-1 -> 0 is interleaving's wrap-
-around), input cotangents one to stage s-1. Received messages wait in receive slots, chunk
-inputs in stash slots, both assigned from the table's message and in-flight lifetimes, so
-memory follows the schedule: 1F1B stashes at most ~p chunk inputs where GPipe stashes m * v.
+plan (`pipeline_plan.py`, indexed by `axis_index('stage')`) and `lax.switch`es to the branch
+of its action, one per (kind, first chunk?, last chunk?) the table uses:
+  idle      nothing;
+  F         its chunk of layers on a microbatch; the model's first chunk embeds the tokens
+            first, its last ends in the loss head. With recompute='none' it runs under
+            `jax.vjp` and stashes the vjp's residuals (a pytree of arrays: the matmul
+            outputs, as the chunk is checkpointed with `dots_saveable`, so its backward
+            redoes elementwise work but no matmul); with 'full' it
+            stashes the chunk input only (and the last chunk defers everything to its B);
+  B         the chunk's vjp applied to the output cotangent (the received message, or 1 for
+            the loss): from the stashed residuals, or by running the forward again from the
+            stashed input ('full'); weight gradients accumulated, the input cotangent sent
+            back. With a split backward (zb_h1) B computes the input cotangent only and files
+            the output cotangent for
+  W         the weight gradients of that (microbatch, chunk), from the same stash.
+The loss head runs on the last chunk's ticks only and the embedding lookup on the first
+chunk's forward ticks only; the embedding's backward (a scatter-add into the table gradient)
+runs outside the switch, on every tick (zeros but on the first chunk's backward ticks):
+inside it, XLA:CPU partitions that scatter-add with collective-permutes over all devices,
+which deadlock when stages take different branches. Forward outputs travel a ring
+`ppermute` to stage s+1 (stage p-1 -> 0 is interleaving's wrap-around), input cotangents one
+to stage s-1. Messages wait in receive slots and stashes in stash slots, assigned from the
+table's lifetimes, so memory follows the schedule: 1F1B stashes ~p microbatches where GPipe
+stashes m * v. `loss` runs the forwards alone (evaluation).
 
 PP overlap (MegaScale section 3.2): with `overlap=True` the executor runs the table with one
 tick of latency. Tick t's outputs are carried to tick t+1, which issues their ppermutes
@@ -26,7 +39,6 @@ Parameters: the stacked layer axis of every block parameter is in pipeline order
 as one local [v * L/(p*v), ...] block. Other parameters are replicated over 'stage'; their
 gradients (embedding on the first stage, head on the last) are summed over 'stage' at the end.
 """
-import dataclasses
 import functools
 
 import jax
@@ -36,10 +48,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mscale_jax.mesh import RESIDUAL, constrain
+from mscale_jax.parallel import pipeline_plan as plan_lib
 from mscale_jax.parallel import schedule as schedule_lib
 
 AXIS = "stage"
 BLOCKS = "blocks"
+EMBEDDINGS = ("embed", "pos_embed")   # the shared parameters the first chunk reads
 # lax.switch branches; the model's first chunk runs FORWARD / BACKWARD with `first` set.
 IDLE, FORWARD, FORWARD_LAST, BACKWARD, BACKWARD_LAST = range(5)
 
@@ -70,79 +84,11 @@ def reorder_layers(tree, num_layers: int, source: tuple[int, int], target: tuple
   return jax.tree_util.tree_map_with_path(move, tree)
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """The table as per-tick integer arrays [ticks, stages], plus buffer sizes."""
-  table: schedule_lib.Table
-  fields: dict         # name -> np.int32 [ticks, stages]
-  stash_slots: int
-  inbox_slots: int
-
-
-def _assign(lifetimes: dict) -> tuple[dict, int]:
-  """Buffer slots for {key: (first tick, last tick)}: a slot is reused once its last tick has
-  passed. Greedy by first tick, so as few slots as lifetimes ever overlap. (slots, count)."""
-  last_tick, slots = [], {}
-  for key, (start, end) in sorted(lifetimes.items(), key=lambda kv: kv[1]):
-    slot = next((k for k, busy in enumerate(last_tick) if busy < start), len(last_tick))
-    if slot == len(last_tick):
-      last_tick.append(end)
-    last_tick[slot] = end
-    slots[key] = slot
-  return slots, max(len(last_tick), 1)
-
-
-@functools.lru_cache(maxsize=64)
-def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
-              overlap: bool = True) -> Plan:
-  """The executor's view of `schedule.build(...)`: what each stage does at each tick, which
-  stash and receive slot it reads and writes, and where arriving messages go."""
-  p, v = stages, virtual
-  table = schedule_lib.build(schedule, p, v, microbatches, latency=1 if overlap else 0)
-  names = ("op", "first", "chunk", "microbatch", "x_slot", "g_slot", "stash_slot", "recv_f",
-           "recv_b")
-  fields = {name: np.full((table.ticks, p), -1, np.int32) for name in names}
-  fields["op"][:] = IDLE
-  # Receive slots: a message is in its slot from `ready` to the tick that uses it.
-  arrivals, uses = {}, {}
-  for msg in table.messages:
-    action = schedule_lib.Action(msg.kind, msg.microbatch, msg.chunk)
-    arrivals[(msg.dst, action)] = msg
-    uses[(msg.dst, action)] = (msg.ready, table.tick_of(msg.dst, action))
-  inbox_slots = stash_slots = 1
-  for s in range(p):
-    inbox, count = _assign({k: span for k, span in uses.items() if k[0] == s})
-    inbox_slots = max(inbox_slots, count)
-    stash, count = _assign({a: (t, table.tick_of(s, schedule_lib.Action("B", a.microbatch,
-                                                                      a.chunk)))
-                        for a, t in zip(table.orders[s], table.starts[s]) if a.kind == "F"})
-    stash_slots = max(stash_slots, count)       # the table's peak in-flight count
-    for action, t in zip(table.orders[s], table.starts[s]):
-      first, last = (s, action.chunk) == (0, 0), (s, action.chunk) == (p - 1, v - 1)
-      f = fields
-      f["chunk"][t, s], f["microbatch"][t, s] = action.chunk, action.microbatch
-      f["first"][t, s] = int(first)
-      f["stash_slot"][t, s] = stash[schedule_lib.Action("F", action.microbatch, action.chunk)]
-      if action.kind == "F":
-        f["op"][t, s] = FORWARD_LAST if last else FORWARD
-        if not first:
-          f["x_slot"][t, s] = inbox[(s, action)]
-      else:
-        f["op"][t, s] = BACKWARD_LAST if last else BACKWARD
-        if not last:
-          f["g_slot"][t, s] = inbox[(s, action)]
-    for (dst, action), msg in arrivals.items():
-      if dst == s:
-        # Filed into its slot at the end of tick ready - 1.
-        fields["recv_f" if msg.kind == "F" else "recv_b"][msg.ready - 1, s] = inbox[(s, action)]
-  # Ticks that receive nothing file the ring's payload into a spare last slot.
-  for name in ("recv_f", "recv_b"):
-    fields[name][fields[name] < 0] = inbox_slots
-  return Plan(table, fields, stash_slots, inbox_slots)
+RECOMPUTE = ("full", "none")
 
 
 def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtual: int,
-                   microbatches: int, overlap: bool = True):
+                   microbatches: int, overlap: bool = True, recompute: str = "full"):
   """Loss and gradients of one pipelined step; equal to `jax.value_and_grad` of the mean
   next-token loss on the unpipelined model (with params in `layer_order`).
 
@@ -152,141 +98,348 @@ def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtu
     graphdef: the model's NNX graphdef.
     batch: {'inputs', 'targets'}: int32 [batch, seq], batch over (data, fsdp). Microbatch i
       is rows i, i + m, i + 2m, ...: each data shard splits its own rows.
+    recompute: 'full' stashes chunk inputs and runs each forward again in its backward;
+      'none' stashes the backward's residuals, so no forward runs twice.
   Returns:
     (loss, grads), grads laid out like params. Call under `jax.set_mesh(mesh)` inside jit.
   """
-  plan = make_plan(schedule, stages, virtual, microbatches, overlap)
-  shared = {k: v for k, v in params.items() if k != BLOCKS}
-  spec = lambda tree, s: jax.tree.map(lambda _: s, tree)
-  in_specs = (spec(params[BLOCKS], P(AXIS)), spec(shared, P()), spec(batch, P()))
-  out_specs = (P(), spec(params[BLOCKS], P(AXIS)), spec(shared, P()))
-  run = jax.shard_map(functools.partial(_per_stage, graphdef=graphdef, plan=plan,
-                                        overlap=overlap),
-                      in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
-                      check_vma=False)
-  loss, block_grads, shared_grads = run(params[BLOCKS], shared, batch)
+  if recompute not in RECOMPUTE:
+    raise ValueError(f"recompute={recompute!r}: one of {', '.join(RECOMPUTE)}")
+  overlap = overlap and stages > 1      # one stage sends nothing between devices
+  plan = plan_lib.make_plan(schedule, stages, virtual, microbatches, overlap)
+  loss, block_grads, shared_grads = _run(params, graphdef, batch, plan, overlap, recompute)
   return loss, {**shared_grads, BLOCKS: block_grads}
 
 
-def _per_stage(blocks, shared, batch, *, graphdef, plan: Plan, overlap: bool):
-  """One stage's program: the scan over ticks. `blocks` is this stage's [v * L_c, ...].
+def loss(params, graphdef, batch, *, schedule: str, stages: int, virtual: int,
+         microbatches: int, overlap: bool = True):
+  """The mean next-token loss of `batch` through the pipeline, forwards only (evaluation):
+  each stage runs the forwards of `schedule`'s table with its own layers, so no stage ever
+  holds another's. Arguments as `value_and_grad`'s."""
+  overlap = overlap and stages > 1
+  plan = plan_lib.make_plan(schedule, stages, virtual, microbatches, overlap, forward=True)
+  return _run(params, graphdef, batch, plan, overlap, recompute=None)
 
-  Long on purpose: the tick's five branches (idle, forward, forward of the last chunk,
-  backward, backward with the loss) are closures over the tick's own locals (its chunk,
-  microbatch, stash slot, received activations), so they live inside `tick`, beside the sends
-  and receives that follow them.
-  """
+
+def _run(params, graphdef, batch, plan, overlap, recompute):
+  """`_per_stage` under shard_map, manual over 'stage' only. recompute=None: forwards only,
+  returns the loss alone."""
+  shared = {k: v for k, v in params.items() if k != BLOCKS}
+  spec = lambda tree, s: jax.tree.map(lambda _: s, tree)
+  in_specs = (spec(params[BLOCKS], P(AXIS)), spec(shared, P()), spec(batch, P()))
+  out_specs = P()
+  if recompute is not None:
+    out_specs = (P(), spec(params[BLOCKS], P(AXIS)), spec(shared, P()))
+  run = jax.shard_map(functools.partial(_per_stage, graphdef=graphdef, plan=plan,
+                                        overlap=overlap, recompute=recompute),
+                      in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
+                      check_vma=False)
+  return run(params[BLOCKS], shared, batch)
+
+
+def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap: bool,
+               recompute: str):
+  """One stage's program: the scan over ticks. `blocks` is this stage's [v * L_c, ...]."""
   table = plan.table
   p, v, m = table.stages, table.virtual, table.microbatches
   stage = jax.lax.axis_index(AXIS)
   chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), blocks)
+  inputs, targets = _split(batch["inputs"], m), _split(batch["targets"], m)
+  program = _Chunks(graphdef, shared, m, recompute,
+                    example=(jax.tree.map(lambda a: a[0], chunks), inputs[0], targets[0]))
+  act = program.act
+  pools = _Pools(program, plan)
 
-  def split(x):   # [batch, seq] -> [m, batch / m, seq]: microbatch i is rows i::m.
-    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-  inputs, targets = split(batch["inputs"]), split(batch["targets"])
+  def accumulate(state, c, d_cp, d_sp):
+    grad_chunks = jax.tree.map(lambda a, b: a.at[c].add(b), state["grad_chunks"], d_cp)
+    grad_shared = {**state["grad_shared"],
+                   **{k: jax.tree.map(jnp.add, state["grad_shared"][k], g)
+                      for k, g in d_sp.items()}}
+    return {**state, "grad_chunks": grad_chunks, "grad_shared": grad_shared}
 
-  def model(chunk_params, shared_params):
-    return nnx.merge(graphdef, {**shared_params, BLOCKS: chunk_params})
+  def add_loss(state, value):
+    return {**state, "loss": state["loss"] + value}
 
-  def run(cp, sp, x):
-    return model(cp, sp).run_blocks(x)
+  def forward(op, state, t):
+    x = program.embed(t["tokens"]) if op.first else t["x_in"]
+    if recompute is None:   # evaluation
+      out = program.apply(op, t["cp"], x, t["tokens"], t["tgt"])
+      return (add_loss(state, out), act, act) if op.last else (state, out, act)
+    out, leaves = program.forward(op, t["cp"], x, t["tokens"], t["tgt"])
+    state = {**state, "stash_out": pools.record(op, leaves)}
+    if op.last:
+      return (state if recompute == "full" else add_loss(state, out)), act, act
+    return state, out, act
 
-  def run_and_loss(cp, sp, x, tgt):
-    mod = model(cp, sp)
-    return _cross_entropy(mod.head(mod.run_blocks(x)), tgt) / m
+  def backward_of(op, state, t):
+    """The chunk's vjp, from its stash (and, with recompute, the loss it recomputed)."""
+    leaves = pools.load(t["pools"], op, t["stash_slot"])
+    return program.vjp(op, t["cp"], leaves, t["tokens"], t["tgt"])
 
-  first_chunk = jax.tree.map(lambda a: a[0], chunks)
-  shape = jax.eval_shape(lambda: model(first_chunk, shared).embed_tokens(inputs[0]))
-  act = jnp.zeros(shape.shape, shape.dtype)    # one microbatch's activations
+  def seed(op, t):   # the output cotangent: 1 for the loss, else the received message
+    return jnp.ones((), jnp.float32) if op.last else t["g_in"]
 
-  def slots(n):
-    return constrain(jnp.zeros((n,) + shape.shape, shape.dtype), (None,) + RESIDUAL)
+  def backward(op, state, t):
+    g = seed(op, t)
+    if plan.split_backward:   # B: the input cotangent only; W gets the output cotangent
+      if not op.last:
+        state = {**state, "cot_out": g}
+      if op.first:    # nothing to send; its W back-propagates into the embedding
+        return state, act, act
+      vjp, value = backward_of(op, state, t)
+      state = state if value is None else add_loss(state, value)
+      return state, act, vjp(g)[2]
+    vjp, value = backward_of(op, state, t)
+    state = state if value is None else add_loss(state, value)
+    d_cp, d_sp, d_x = vjp(g)
+    return accumulate(state, t["c"], d_cp, d_sp), act, d_x
 
-  zeros_like = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-  add_at = lambda acc, c, g: jax.tree.map(lambda a, b: a.at[c].add(b), acc, g)
+  def weight(op, state, t):
+    g = jnp.ones((), jnp.float32) if op.last else t["cot_in"]
+    vjp, _ = backward_of(op, state, t)
+    d_cp, d_sp, d_x = vjp(g)
+    return accumulate(state, t["c"], d_cp, d_sp), act, (d_x if op.first else act)
 
-  embed_names = [k for k in ("embed", "pos_embed") if k in shared]
+  def idle(op, state, t):
+    return state, act, act
+
+  kinds = {"idle": idle, schedule_lib.FORWARD: forward, schedule_lib.BACKWARD: backward,
+           schedule_lib.WEIGHT: weight}
+  branches = [functools.partial(kinds[op.kind], op) for op in plan.ops]
+  ring_f, ring_b = _ring(p, +1, wrap=v > 1), _ring(p, -1, wrap=v > 1)
+
+  # Buffers too large to pass through the switch (XLA may copy a conditional's results) are
+  # written after it: a branch returns what to file; ticks that file nothing write a spare
+  # last slot.
+  files = {pool: jnp.asarray([op.kind == schedule_lib.FORWARD and op.pool == pool
+                              for op in plan.ops]) for pool in (plan_lib.MAIN, plan_lib.LAST)}
+  files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD and not op.last
+                           for op in plan.ops]) & plan.split_backward
+  big = ("inbox", "out_f", "out_b", "pools", "cot")
+  embeds_back = jnp.asarray([op.first and op.kind == (
+      schedule_lib.WEIGHT if plan.split_backward else schedule_lib.BACKWARD) for op in plan.ops])
 
   def tick(carry, row):
     f = {k: a[stage] for k, a in row.items()}
-    c, i, op = f["chunk"], f["microbatch"], f["op"]
-    cp = jax.tree.map(lambda a: a[c], chunks)
-    tokens, tgt = inputs[i], targets[i]
-    # The embedding (a gather, O(batch * seq * hidden)) runs on every stage at every tick,
-    # outside the switch: inside it XLA partitions the gather with collective-permutes over
-    # all devices, which deadlock when the stages take different branches.
-    x_embed, embed_vjp = jax.vjp(
-        lambda emb: model(cp, {**shared, **emb}).embed_tokens(tokens),
-        {k: shared[k] for k in embed_names})
-    first = f["first"] == 1
-    x_in = jnp.where(first, x_embed,
-                     carry["inbox"][jnp.maximum(f["x_slot"], 0)])
-    g_in = carry["inbox"][jnp.maximum(f["g_slot"], 0)]
-    stashed = carry["stash"][jnp.maximum(f["stash_slot"], 0)]
-    state = (carry["stash"], carry["grad_chunks"], carry["grad_shared"], carry["loss"])
-
-    def store(stash, x):
-      return stash.at[f["stash_slot"]].set(x)
-
-    def idle(state):
-      return state, act, act
-
-    def forward(state):
-      stash, gc, gs, loss = state
-      return (store(stash, x_in), gc, gs, loss), run(cp, shared, x_in), act
-
-    def forward_last(state):   # the backward recomputes it from the stash, with the loss
-      stash, gc, gs, loss = state
-      return (store(stash, x_in), gc, gs, loss), act, act
-
-    def backward(state):
-      stash, gc, gs, loss = state
-      _, vjp = jax.vjp(lambda cp, x: run(cp, shared, x), cp, stashed)
-      d_cp, d_x = vjp(g_in)
-      return (stash, add_at(gc, c, d_cp), gs, loss), act, d_x
-
-    def backward_last(state):
-      stash, gc, gs, loss = state
-      value, vjp = jax.vjp(lambda cp, sp, x: run_and_loss(cp, sp, x, tgt), cp, shared,
-                           stashed)
-      d_cp, d_sp, d_x = vjp(jnp.ones_like(value))
-      return ((stash, add_at(gc, c, d_cp), jax.tree.map(jnp.add, gs, d_sp), loss + value),
-              act, d_x)
-
-    # The model's first chunk runs the plain forward / backward on the embedding's output;
-    # its input cotangent goes to the embedding's backward below (and, harmlessly, into the
-    # ring, where no receive slot takes it).
-    branches = (idle, forward, forward_last, backward, backward_last)
-    state, out_f, out_b = jax.lax.switch(op, branches, state)
-    stash, grad_chunks, grad_shared, loss = state
-    (d_embed,) = embed_vjp(jnp.where(first & (op == BACKWARD), out_b, 0).astype(out_b.dtype))
-    grad_shared = {**grad_shared,
-                   **{k: grad_shared[k] + d_embed[k] for k in embed_names}}
-
+    c, i = jnp.maximum(f["chunk"], 0), jnp.maximum(f["microbatch"], 0)
+    slot = lambda name: jnp.maximum(f[name], 0)
+    t = {"c": c, "cp": jax.tree.map(lambda a: a[c], chunks), "tokens": inputs[i],
+         "tgt": targets[i], "x_in": carry["inbox"][slot("x_slot")],
+         "g_in": carry["inbox"][slot("g_slot")]}
+    state = {k: carry[k] for k in carry if k not in big}
+    if "pools" in carry:
+      # Read-only in the switch (a branch slices the slot it needs); written after it.
+      t["pools"], t["stash_slot"] = carry["pools"], slot("stash_slot")
+      state["stash_out"] = pools.blank()
+    if "cot" in carry:
+      t["cot_in"], state["cot_out"] = carry["cot"][slot("cot_slot")], act
+    state, out_f, out_b = jax.lax.switch(f["op"], branches, state, t)
+    if recompute is not None and program.replicated:
+      # The embedding's backward, on every tick and stage (outside the switch: see
+      # `_Chunks`), fed the first chunk's input cotangent on its backward ticks, else zeros.
+      _, embed_vjp = jax.vjp(lambda tables: program.embed(t["tokens"], tables),
+                             {k: shared[k] for k in program.replicated})
+      (d_tables,) = embed_vjp(jnp.where(embeds_back[f["op"]], out_b, 0).astype(out_b.dtype))
+      state["grad_shared"] = {**state["grad_shared"], **{
+          k: state["grad_shared"][k] + g for k, g in d_tables.items()}}
+    if "pools" in carry:
+      write = {pool: jnp.where(files[pool][f["op"]], slot("stash_slot"),
+                               plan.stash_slots[pool]) for pool in files}
+      state["pools"] = pools.write(carry["pools"], state.pop("stash_out"), write)
+    if "cot" in carry:
+      write = jnp.where(files_cot[f["op"]], slot("cot_slot"), plan.cotangent_slots)
+      state["cot"] = carry["cot"].at[write].set(state.pop("cot_out"))
     if overlap:   # send the previous tick's outputs while this tick computed
       send_f, send_b = carry["out_f"], carry["out_b"]
     else:
       send_f, send_b = out_f, out_b
-    recv_f = jax.lax.ppermute(send_f, AXIS, _ring(p, +1, wrap=v > 1))
-    recv_b = jax.lax.ppermute(send_b, AXIS, _ring(p, -1, wrap=v > 1))
-    inbox = carry["inbox"].at[f["recv_f"]].set(recv_f).at[f["recv_b"]].set(recv_b)
-    carry = {"inbox": inbox, "stash": stash, "grad_chunks": grad_chunks,
-             "grad_shared": grad_shared, "loss": loss}
+    inbox = carry["inbox"]
+    if ring_f:
+      inbox = inbox.at[f["recv_f"]].set(_permute(send_f, ring_f))
+      inbox = inbox.at[f["recv_b"]].set(_permute(send_b, ring_b))
+    carry = {**state, "inbox": inbox}
     if overlap:
       carry.update(out_f=out_f, out_b=out_b)
     return carry, None
 
-  carry = {"inbox": slots(plan.inbox_slots + 1), "stash": slots(plan.stash_slots),
-           "grad_chunks": zeros_like(chunks), "grad_shared": zeros_like(shared),
-           "loss": jnp.zeros((), jnp.float32)}
+  carry = {"inbox": _slots(plan.inbox_slots + 1, act), "loss": jnp.zeros((), jnp.float32)}
+  if recompute is not None:
+    grad_shared = jax.tree.map(jnp.zeros_like, shared)
+    carry.update(pools=pools.zeros(), grad_chunks=jax.tree.map(jnp.zeros_like, chunks),
+                 grad_shared=grad_shared)
+  if plan.split_backward:
+    carry.update(cot=_slots(plan.cotangent_slots + 1, act))
   if overlap:
     carry.update(out_f=act, out_b=act)
   rows = {k: jnp.asarray(a) for k, a in plan.fields.items()}
   carry, _ = jax.lax.scan(tick, carry, rows)
+  if recompute is None:
+    return _sum_stages(carry["loss"], p)
   grad_blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["grad_chunks"])
-  loss = jax.lax.psum(carry["loss"], AXIS)
-  grad_shared = jax.lax.psum(carry["grad_shared"], AXIS)
+  loss = _sum_stages(carry["loss"], p)
+  grad_shared = _sum_stages(carry["grad_shared"], p)
   return loss, grad_blocks, grad_shared
+
+
+class _Chunks:
+  """A chunk's forward and its vjp, for each kind of chunk (`Op.first`: it embeds the
+  tokens; `Op.last`: it ends in the loss head and returns its share of the mean loss).
+
+  A chunk differentiates its block parameters, the shared parameters it uses (embedding on
+  the first, all of them on the last, whose head may be tied to the embedding) and its input.
+  The first chunk's input is the embedding of its tokens, looked up (in its branch) in a copy
+  of the tables replicated over the stage's devices, gathered once per step before the ticks;
+  the embedding's backward runs outside the switch (`_per_stage`). Inside the switch XLA
+  partitions a gather from a tensor-sharded table, and the scatter-add of its backward, with
+  collective-permutes over every device, which deadlock when the stages take different
+  branches (XLA:CPU, jax 0.10).
+  """
+
+  def __init__(self, graphdef, shared, microbatches: int, recompute: str, example):
+    self.graphdef, self.shared, self.m, self.recompute = graphdef, shared, microbatches, recompute
+    self.example = example    # (chunk params, tokens, targets) of one microbatch
+    cp, tokens, _ = example
+    shape = jax.eval_shape(lambda: self._model(cp, {}).embed_tokens(tokens))
+    self.act = jnp.zeros(shape.shape, shape.dtype)    # one microbatch's activations
+    self.replicated = {k: _replicated(shared[k]) for k in EMBEDDINGS if k in shared}
+
+  def _model(self, cp, sp):
+    return nnx.merge(self.graphdef, {**self.shared, **sp, BLOCKS: cp})
+
+  def embed(self, tokens, tables=None):
+    """The first chunk's input [batch, seq, hidden] from `tables` (default: the replicated
+    copy; no gradient flows from the chunk into it: see `_per_stage`)."""
+    tables = self.replicated if tables is None else tables
+    return self._model(self.example[0], tables).embed_tokens(tokens)
+
+  def _own(self, op) -> dict:
+    """The shared parameters `op`'s chunk reads and differentiates."""
+    return self.shared if op.last else {}
+
+  def _fn(self, op, tokens, tgt):
+    def fn(cp, sp, x):
+      model = self._model(cp, sp)
+      h = model.run_blocks(x)
+      return _cross_entropy(model.head(h), tgt) / self.m if op.last else h
+    return fn
+
+  def _vjp(self, op, cp, x, tokens, tgt):
+    fn = self._fn(op, tokens, tgt)
+    if self.recompute == "none":
+      # Keep the matmul outputs, recompute elementwise work: the stash then holds what a
+      # backward needs to run no matmul twice, not every intermediate (and no copies of
+      # weights) that jax.vjp would otherwise save.
+      fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+    return jax.vjp(fn, cp, self._own(op), x)
+
+  def apply(self, op, cp, x, tokens, tgt):
+    """The chunk's output (its loss share on the last chunk), no vjp."""
+    return self._fn(op, tokens, tgt)(cp, self._own(op), x)
+
+  def forward(self, op, cp, x, tokens, tgt):
+    """(output, leaves to stash): output is the chunk's activations (the loss share on the
+    last chunk under recompute='none'; nothing under 'full', whose backward computes it)."""
+    if self.recompute == "full":
+      stash = [] if op.first else [x]
+      if op.last:
+        return None, stash
+      return self.apply(op, cp, x, tokens, tgt), stash
+    out, vjp = self._vjp(op, cp, x, tokens, tgt)
+    return out, jax.tree.leaves(vjp)
+
+  def stash_shapes(self, op) -> list:
+    """ShapeDtypeStructs of what `forward(op, ...)` stashes."""
+    cp, tokens, tgt = self.example
+    return jax.eval_shape(lambda *a: self.forward(op, *a)[1], cp, self.act, tokens, tgt)
+
+  def vjp(self, op, cp, leaves, tokens, tgt):
+    """(vjp, loss share or None) from what `forward` stashed; vjp(g) -> (d_cp, d_sp, d_x)."""
+    if self.recompute == "full":
+      value, vjp = self._vjp(op, cp, self.embed(tokens) if op.first else leaves[0], tokens, tgt)
+      return vjp, (value if op.last else None)
+    structure = jax.tree.structure(jax.eval_shape(
+        lambda *a: self._vjp(op, *a)[1], cp, self.act, tokens, tgt))
+    return jax.tree.unflatten(structure, leaves), None
+
+
+class _Pools:
+  """Stash slots for each pool (`plan_lib.MAIN`, `LAST`): one array [slots, *shape] per
+  stashed leaf. Ops of one pool share slots and arrays: the j-th leaf of a (shape, dtype) in
+  one op's stash goes where the j-th such leaf of another op's goes (the first chunk stashes
+  what any other stashes, plus its embedding's residuals)."""
+
+  def __init__(self, program: _Chunks, plan: plan_lib.Plan):
+    self.plan, self.layout, self.arrays = plan, {}, {}
+    for pool in (plan_lib.MAIN, plan_lib.LAST):
+      keys = []
+      for op in plan.ops:
+        if op.kind != schedule_lib.FORWARD or op.pool != pool:
+          continue
+        seen, where = {}, []
+        for leaf in program.stash_shapes(op):
+          key = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
+          key = key + (seen.get(key, 0),)
+          seen[key[:2]] = key[2] + 1
+          if key not in keys:
+            keys.append(key)
+          where.append(keys.index(key))
+        self.layout[op.first, op.last] = where
+      self.arrays[pool] = keys
+    self.act_shape = program.act.shape
+
+  def zeros(self) -> dict:
+    """The pools, each array [slots + 1, *shape]: the last slot takes writes of ticks that
+    file nothing."""
+    out = {}
+    for pool, keys in self.arrays.items():
+      slots = self.plan.stash_slots[pool] + 1
+      out[pool] = [jnp.zeros((slots,) + shape, dtype) for shape, dtype, _ in keys]
+      out[pool] = [constrain(a, (None,) + RESIDUAL) if a.shape[1:] == self.act_shape
+                   else a for a in out[pool]]
+    return out
+
+  def blank(self) -> dict:
+    """A record of one slot of every array, zeros (what a tick that files nothing writes)."""
+    return {pool: [jnp.zeros(shape, dtype) for shape, dtype, _ in keys]
+            for pool, keys in self.arrays.items()}
+
+  def record(self, op, leaves) -> dict:
+    """`blank()` with `op`'s stashed leaves in their places."""
+    out = self.blank()
+    for leaf, k in zip(leaves, self.layout[op.first, op.last]):
+      out[op.pool][k] = leaf
+    return out
+
+  def load(self, pools: dict, op, slot) -> list:
+    """`op`'s stashed leaves in slot `slot`."""
+    return [pools[op.pool][k][slot] for k in self.layout[op.first, op.last]]
+
+  def write(self, pools: dict, record: dict, slots: dict) -> dict:
+    return {pool: [a.at[slots[pool]].set(r) for a, r in zip(arrays, record[pool])]
+            for pool, arrays in pools.items()}
+
+
+# With one stage a collective over 'stage' is the identity; XLA's partitioner refuses some
+# over an axis of size 1 ("Cross-partition allreduce must be in manual partitioning mode").
+def _sum_stages(tree, stages: int):
+  return tree if stages == 1 else jax.lax.psum(tree, AXIS)
+
+
+def _permute(x, pairs):
+  return x if pairs == [(0, 0)] else jax.lax.ppermute(x, AXIS, pairs)
+
+
+def _replicated(x):
+  return jax.lax.with_sharding_constraint(x, P(*(None,) * x.ndim))
+
+
+def _split(x, m):
+  """[batch, ...] -> [m, batch / m, ...]: microbatch i is rows i::m."""
+  return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _slots(n, like):
+  return constrain(jnp.zeros((n,) + like.shape, like.dtype), (None,) + RESIDUAL)
 
 
 def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -1,8 +1,9 @@
-"""One iteration of 3D-parallel training: interleaved 1F1B pipeline, ZeRO-2 data parallelism.
+"""One iteration of 3D-parallel training: interleaved 1F1B (or ZB-H1) pipeline, ZeRO-2 data
+parallelism.
 
 The pipeline runs in lock-step at the pace of its slowest stage (the last one, which also holds
 the LM head): `m` micro-batches of steady state plus the interleaved bubble of (pp-1)/vpp
-micro-batch times. Around it: the exposed part of the data-parallel collectives, the optimizer
+micro-batch times (ZB-H1: (pp-1)(T_F+T_B-T_W), see `bubble_time`). Around it: the exposed part of the data-parallel collectives, the optimizer
 update and host work (data loading) on the critical path. Then what grows with the number of
 ranks (`scale.py`): the lock-step pipeline waits for its slowest rank, and the exposed DP
 collectives for the last rank to launch them.
@@ -58,19 +59,29 @@ def p2p_time(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants) -> fl
   return comm.send_recv_time(num_bytes, comm.Link(bw, c.p2p_latency_s, link.tier))
 
 
-def bubble_time(layout: Layout, stage_s: float, hop_s: float, pp_overlap: bool) -> float:
+def bubble_time(layout: Layout, stage_s: float, hop_s: float, pp_overlap: bool,
+                passes: tuple | None = None) -> float:
   """Seconds the slowest stage idles in the pipeline's fill and drain: the one place the bubble
   is costed.
 
   `stage_s` is one micro-batch through all of the stage's chunks (forward and backward); a
   tick, one chunk's forward or backward, is half of `stage_s / vpp` (parallel/schedule.py).
-  The idle ticks are those of Megatron-LM's schedule table for (pp, vpp, m). With decoupled,
-  asynchronous sends (`pp_overlap`) the steady state hides the transfers, but the fill and
-  drain still wait `2 (pp - 1)` hops of `hop_s`.
+  The idle ticks are those of Megatron-LM's schedule table for (pp, vpp, m): (pp-1)(T_F+T_B)
+  per chunk in time, whatever the ratio of T_B to T_F. With `passes`, the (F, B, W) seconds of
+  one micro-batch through the stage, the schedule is ZB-H1 instead and its table
+  (schedule 'zb_h1') is timed with them: (pp-1)(T_F+T_B-T_W) (Qi et al., ICLR 2024; tested in
+  tests/test_schedule_timing.py). With decoupled, asynchronous sends (`pp_overlap`) the
+  steady state hides the transfers, but the fill and drain still wait `2 (pp - 1)` hops of
+  `hop_s` (an overlapped table costs exactly that over the plain one, tested there too).
   """
   p, v, m = layout.pp, layout.vpp, layout.num_micro_batches
-  idle_ticks = schedule.megatron_summary(p, v, m)[0]
-  bubble = idle_ticks * stage_s / (2 * v)
+  if passes is not None:
+    table = schedule.build("zb_h1", p, 1, schedule.steady_microbatches("zb_h1", p, 1, m))
+    f, b, w = passes
+    bubble = table.timeline({"F": f, "B": b, "W": w}).bubble
+  else:
+    idle_ticks = schedule.megatron_summary(p, v, m)[0]
+    bubble = idle_ticks * stage_s / (2 * v)
   if pp_overlap:
     bubble += 2 * (p - 1) * hop_s
   return bubble
@@ -137,7 +148,11 @@ def _predict_with(model, layout, tech, recompute, hw, c, dtype, memory):
   # asynchronous transfers hide behind the next chunk; only the pipeline fill and drain wait.
   pp_per_mb = 0.0 if (tech.pp_overlap or p == 1) else 2 * v * hop
   stage_s = slowest.total + pp_per_mb
-  bubble = bubble_time(layout, stage_s, hop, tech.pp_overlap)
+  passes = None
+  if tech.zb_h1:       # W sends nothing; a blocking send follows each F and each B
+    f, b, w = slowest.passes
+    passes = (f + pp_per_mb / 2, b + pp_per_mb / 2, w)
+  bubble = bubble_time(layout, stage_s, hop, tech.pp_overlap, passes)
   steady = m * stage_s
 
   host_iter = 0.0 if tech.async_data else c.host_per_iteration_s
@@ -192,6 +207,8 @@ def predict(model: ModelSpec, layout: Layout, tech: Techniques, hw: Hardware,
   (`fits` is False) and uses 'full'.
   """
   validate(model, layout)
+  if tech.zb_h1 and layout.vpp != 1:
+    raise ConfigError("vpp", layout.vpp, "1 with the zb_h1 schedule (one chunk per stage)")
   if recompute != "auto" and recompute not in RECOMPUTES:
     raise ConfigError("recompute", recompute, f"'auto' or one of {RECOMPUTES}")
   options = RECOMPUTES if recompute == "auto" else (recompute,)

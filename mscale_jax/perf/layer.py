@@ -20,33 +20,44 @@ TP_COLLECTIVES = {"sequential": (4, 6), "parallel": (2, 3)}
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-  """Seconds, forward + backward, by kind. `total` is what the critical path sees."""
+  """Seconds, forward + backward, by kind. `total` is what the critical path sees.
+
+  `forward` and `weight_grad` say how much of `total` is the (first) forward pass and the
+  weight-gradient GEMMs: the split a zero-bubble schedule needs (F, B = the rest, W).
+  """
   gemm: float = 0.0
   attention: float = 0.0
   memory_bound: float = 0.0
   tp_exposed: float = 0.0
+  forward: float = 0.0       # of total: the forward pass
+  weight_grad: float = 0.0   # of total: the weight-gradient GEMMs (W)
 
   @property
   def total(self) -> float:
     """Seconds on the critical path."""
     return self.gemm + self.attention + self.memory_bound + self.tp_exposed
 
+  @property
+  def passes(self) -> tuple[float, float, float]:
+    """(F, B, W) seconds: forward, input gradient (with any recomputation), weight gradient."""
+    return self.forward, self.total - self.forward - self.weight_grad, self.weight_grad
+
   def __add__(self, other):
     """Term-by-term sum."""
-    return Cost(self.gemm + other.gemm, self.attention + other.attention,
-                self.memory_bound + other.memory_bound, self.tp_exposed + other.tp_exposed)
+    return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
   def scale(self, k: float):
     """Every term times `k` (e.g. the layers of a stage)."""
-    return Cost(k * self.gemm, k * self.attention, k * self.memory_bound, k * self.tp_exposed)
+    return Cost(*(k * a for a in dataclasses.astuple(self)))
 
 
 def _linear(m, k, n, chunks, peak, c):
-  """Forward + backward seconds of a linear layer whose token dim is cut into `chunks`."""
+  """(forward, input-gradient, weight-gradient) seconds of a linear layer whose token dim is
+  cut into `chunks`."""
   fwd = compute.gemm_time(m / chunks, k, n, peak, c, count=chunks)
   dgrad = compute.gemm_time(m / chunks, n, k, peak, c, count=chunks)
   wgrad = compute.gemm_time(k, m / chunks, n, peak, c, count=chunks)
-  return fwd, dgrad + wgrad
+  return fwd, dgrad, wgrad
 
 
 def tp_collective_time(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants) -> float:
@@ -99,10 +110,10 @@ def _layer_cost(model, layout, tech, recompute, hw, c, dtype, chunks):
     shapes = [(h, (3 * h + f) // t), ((h + f) // t, h)]
   else:
     shapes = [(h, 3 * h // t), (h // t, h), (h, f // t), (f // t, h)]
-  gemm_f = gemm_b = 0.0
+  gemm_f = gemm_b = gemm_w = 0.0
   for k, n in shapes:
-    fwd, bwd = _linear(tokens, k, n, chunks, peak, c)
-    gemm_f, gemm_b = gemm_f + fwd, gemm_b + bwd
+    fwd, dgrad, wgrad = _linear(tokens, k, n, chunks, peak, c)
+    gemm_f, gemm_b, gemm_w = gemm_f + fwd, gemm_b + dgrad + wgrad, gemm_w + wgrad
 
   heads = model.num_heads // t
   if tech.efficient_ops:
@@ -129,8 +140,9 @@ def _layer_cost(model, layout, tech, recompute, hw, c, dtype, chunks):
   tp_f = tp_exposure(coll * n_fwd, gemm_f, chunks, overlap, share)
   tp_b = tp_exposure(coll * n_bwd, gemm_b, chunks, overlap, share)
 
-  cost = Cost(gemm_f + gemm_b, attn_f + attn_b, mem_f + mem_b, tp_f + tp_b)
-  if recompute == "full":
+  forward = gemm_f + attn_f + mem_f + tp_f
+  cost = Cost(gemm_f + gemm_b, attn_f + attn_b, mem_f + mem_b, tp_f + tp_b, forward, gemm_w)
+  if recompute == "full":     # the forward again, before the input gradient (part of B)
     cost = cost + Cost(gemm_f, attn_f, mem_f, tp_f)
   return cost
 
@@ -146,7 +158,8 @@ def _head_cost(model, layout, tech, hw, c, dtype, chunks):
   peak, t = hw.peak(dtype), layout.tp
   tokens = layout.micro_batch * model.seq_len
   overlap = chunks > 1
-  fwd, bwd = _linear(tokens, model.hidden, model.vocab // t, chunks, peak, c)
+  fwd, dgrad, wgrad = _linear(tokens, model.hidden, model.vocab // t, chunks, peak, c)
+  bwd = dgrad + wgrad
   ln = c.layernorm_passes_fused if tech.efficient_ops else c.layernorm_passes_unfused
   ln_f, ln_b = compute.elementwise_time(tokens * model.hidden * 2.0 / t, ln, hw.hbm_bw, c)
   # Vocab-parallel cross-entropy on fp32 logits: max, exp-sum, loss forward; softmax-grad back.
@@ -155,4 +168,6 @@ def _head_cost(model, layout, tech, hw, c, dtype, chunks):
   coll, share = tp_collective_time(model, layout, hw, c), comm.sm_share(hw, c)
   tp = (tp_exposure(coll, fwd, chunks, overlap, share)
         + tp_exposure(coll, bwd, chunks, overlap, share))
-  return Cost(gemm=fwd + bwd, memory_bound=ln_f + ln_b + xent, tp_exposed=tp)
+  tp_f = tp_exposure(coll, fwd, chunks, overlap, share)
+  return Cost(gemm=fwd + bwd, memory_bound=ln_f + ln_b + xent, tp_exposed=tp,
+              forward=fwd + ln_f + tp_f + 0.6 * xent, weight_grad=wgrad)   # 3 of 5 passes

@@ -52,9 +52,10 @@ def candidate_layouts(model: ModelSpec, devices: int, hw: Hardware, global_batch
 
 def search(model: ModelSpec, devices: int, hw: Hardware, global_batch: int, all_on: Techniques,
            c: Constants = DEFAULT, max_batch_scale: int = 1, top: int = 5) -> list:
-  """The `top` fitting predictions by MFU over layouts x technique switches.
+  """The `top` fitting predictions by MFU over layouts x technique switches x schedule.
 
-  Every layout is tried with `all_on`; the best `top` layouts are then tried with each option of
+  Every layout is tried with `all_on` (and, with one chunk per stage, also with the ZB-H1
+  schedule); each prediction takes the cheapest recomputation that fits (`predict`); the best `top` layouts are then tried with each option of
   `technique_options` (a switch can cost more than it saves, e.g. TP overlap on small GEMMs).
   Global batches from `global_batch` up to `max_batch_scale` times it are tried only with LAMB
   on (the optimizer that keeps quality at the larger batch).
@@ -64,7 +65,11 @@ def search(model: ModelSpec, devices: int, hw: Hardware, global_batch: int, all_
   batches = [global_batch * k for k in range(1, max_batch_scale + 1)]
   layouts = [l for l in candidate_layouts(model, devices, hw, batches)
              if l.global_batch == global_batch or all_on.lamb]
-  first = [p for p in (predict(model, l, all_on, hw, c) for l in layouts) if p.fits]
+  # ZB-H1 runs one chunk per stage: tried beside (interleaved) 1F1B on every vpp=1 pipeline.
+  tries = [(l, all_on) for l in layouts]
+  tries += [(l, dataclasses.replace(all_on, zb_h1=True)) for l in layouts
+            if l.vpp == 1 and l.pp > 1]
+  first = [p for p in (predict(model, l, t, hw, c) for l, t in tries) if p.fits]
   if not first:
     raise ConfigError("devices", devices,
                       f"a count on which some TP x PP x DP layout of {model.name} with global "
@@ -72,7 +77,7 @@ def search(model: ModelSpec, devices: int, hw: Hardware, global_batch: int, all_
   first.sort(key=lambda p: -p.mfu)
   results = []
   for best in first[:top]:
-    for tech in technique_options(all_on):
+    for tech in technique_options(dataclasses.replace(all_on, zb_h1=best.techniques.zb_h1)):
       if best.layout.global_batch > global_batch and not tech.lamb:
         continue
       pred = predict(model, best.layout, tech, hw, c)

@@ -82,6 +82,7 @@ class Techniques:
   lamb: bool = False
   # Two-level DP collectives (`compressed.DPCompression`: SDP4Bit or uncompressed); None: rings.
   dp_compression: object | None = None
+  zb_h1: bool = False            # ZB-H1 pipeline schedule (vpp = 1) instead of (interleaved) 1F1B
 
 
 def validate(model: ModelSpec, layout: Layout, devices: int | None = None) -> None:
