@@ -60,7 +60,9 @@ _COMPILE_CACHE = flags.DEFINE_string("compile_cache_dir", "", "Compilation cache
 _FAULTS = flags.DEFINE_multi_string("fault", [], "Inject a fault (repeatable): kill:rank=R:"
                                     "step=N[:at=save], hang:rank=R:step=N, nan:step=N, "
                                     "exception:rank=R:step=N, slow:rank=R:factor=F, "
-                                    "bad_slot:slot=S.")
+                                    "bad_slot:slot=S[:step=N]; from outside the workers: "
+                                    "stop, contend, corrupt_checkpoint, io_error, kill_driver, "
+                                    "kill_coordinator (mscale_jax/resilience/faults.py).")
 _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA_FLAGS for the workers.")
 _EMIT = flags.DEFINE_enum("emit", "local", ["local", "slurm", "kubernetes"], "Run locally, or "
                           "write a Slurm batch script / Kubernetes JobSet manifest.")
@@ -144,6 +146,13 @@ def check_inputs(train_args: list[str]):
                     else "--coordinator_host")
   if _EMIT.value == "local":
     check_port_free(_HOST.value, _HEARTBEAT_PORT.value, "--heartbeat_port")
+  if _EMIT.value == "local" and not _WATCH.value and _WORKDIR.value:
+    from mscale_jax.resilience.driver import claim
+    pid = claim.live_driver(os.path.join(os.path.abspath(_WORKDIR.value), "resilience"))
+    if pid is not None:
+      raise ConfigError("--workdir", _WORKDIR.value, f"a folder no running driver uses: driver "
+                        f"pid {pid} runs this job (running the command again resumes a job "
+                        f"only once its driver is gone)")
   return config, faults
 
 
