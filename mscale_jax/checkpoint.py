@@ -119,6 +119,7 @@ class Checkpointer:
     """
     start = time.perf_counter()
     try:
+      self._can_write()
       self._save(step, state, data_state, config, layer_layout)
     except Exception as e:
       raise self._write_error(step, e) from e
@@ -129,6 +130,14 @@ class Checkpointer:
       self.saves.append({"step": step, "stall_s": end - start,
                          "write_s": None if self.async_save else 0.0})
       self._stalled_until = end
+
+  def _can_write(self) -> None:
+    """OSError now if the folder refuses a new file (read-only, full, gone), rather than from
+    orbax's background thread later."""
+    probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
+    with open(probe, "wb") as f:
+      f.write(b"0")
+    os.remove(probe)
 
   def _written(self) -> None:
     """orbax's callback once the background write of the newest save is complete."""
@@ -154,9 +163,12 @@ class Checkpointer:
 
   def _write_error(self, step: int | None, error: Exception) -> CheckpointWriteError:
     what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+    # The manager counts a save as soon as it starts; a complete one is a renamed folder.
+    complete = [int(d) for d in os.listdir(self.directory) if d.isdigit()] \
+        if os.path.isdir(self.directory) else []
     return CheckpointWriteError(
         f"{what} could not be written under {self.directory} ({type(error).__name__}: "
-        f"{error}); the latest complete checkpoint is still step {self.latest_step()}, "
+        f"{error}); the latest complete checkpoint is still step {max(complete, default=None)}, "
         f"intact: a restart resumes from it")
 
   def _save(self, step: int, state, data_state: dict, config: Config,
@@ -225,6 +237,13 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_state)))["state"]
     self.restore_s = time.perf_counter() - start
     return state
+
+  def check(self) -> None:
+    """Raises CheckpointWriteError if a background write has failed since the last call."""
+    try:
+      self._manager.check_for_errors()
+    except Exception as e:
+      raise self._write_error(self.saves[-1]["step"] if self.saves else None, e) from e
 
   def wait(self) -> None:
     """Blocks until every started save is on disk (CheckpointWriteError if one failed)."""

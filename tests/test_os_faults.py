@@ -121,7 +121,6 @@ def test_a_checkpoint_directory_that_refuses_writes_is_a_clear_error(tmp_path, t
   try:
     with pytest.raises(CheckpointWriteError) as error:
       _save(checkpointer, 8, _state(8), tiny_config)
-      checkpointer.wait()
   finally:
     injector.make_writable(directory)
   message = str(error.value)
@@ -240,11 +239,15 @@ def test_a_claim_names_a_live_driver_and_ends_a_dead_ones_workers(tmp_path, work
 
 
 def test_a_coordination_error_blames_the_peer_it_names():
-  line = ("E1126 coordination_service.cc:1 Task /job:jax_worker/replica:0/task:1 heartbeat "
-          "timeout")
-  assert blamed_task(line, 0, 2) == 1
+  polled = ("E1126 05:41:49.222062 2118 coordination_service_agent.cc:289] Polled an error from "
+            "coordination service (this can be an error from this or another task).\n"
+            "F1126 05:41:49.222268 2118 client.h:80] Terminating process because the JAX "
+            "distributed service detected fatal errors. ... UNAVAILABLE: The following tasks "
+            "are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.")
+  assert blamed_task(polled, 0, 2) == 1
+  assert blamed_task("Task /job:jax_worker/replica:0/task:0 heartbeat timeout", 1, 2) == 0
   assert blamed_task("Check failed: something", 0, 2) == 0
-  assert blamed_task("/job:jax_worker/replica:0/task:7 gone", 1, 2) == 1
+  assert blamed_task("/job:jax_worker/replica:0/task:7 gone", 1, 2) == 1   # not in the group
 
 
 # -- a bad slot --------------------------------------------------------------------------------
@@ -277,3 +280,28 @@ def test_a_bad_slot_hurts_training(tiny_config, tmp_path):
   assert [losses["bad"][s] for s in (1, 2, 3)] == [losses["clean"][s] for s in (1, 2, 3)]
   assert all(losses["bad"][s] != losses["clean"][s] for s in (4, 5, 6))
   assert os.path.exists(tmp_path / "bad" / "resilience" / "bad_slots" / "slot0.json")
+
+
+# -- traces of a restarted run -----------------------------------------------------------------
+
+def test_a_replayed_step_counts_once_in_the_merged_timeline(tmp_path):
+  from mscale_jax.observability import timeline
+  rng = np.random.default_rng(3)
+  lines, want = [], {}
+  for attempt, steps in ((0, range(1, 7)), (1, range(5, 9))):   # steps 5 and 6 replayed
+    lines.append({"meta": {"rank": 0, "attempt": attempt}})
+    for step in steps:
+      for name in ("dispatch", "sync"):
+        seconds = float(rng.uniform(0.01, 0.2))
+        start = float(rng.uniform(0, 100))
+        lines.append({"name": name, "track": "loop", "step": step, "start": start,
+                      "end": start + seconds})
+        want.setdefault(attempt, {}).setdefault(step, {})[name] = seconds
+  path = tmp_path / "rank0.jsonl"
+  path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+  _, spans = timeline.read_rank_file(str(path))
+  got = timeline.per_iteration(spans)
+  assert sorted(got) == list(range(1, 9))
+  for step in range(1, 9):
+    last = want[1] if step >= 5 else want[0]
+    assert got[step] == pytest.approx(last[step])

@@ -11,7 +11,9 @@ save again), and the wall time and its split. Time the record does not itemise (
 logging, slower steps, shutdown) is taken from the fault-free reference run: its wall time
 minus the simulated fault-free run, per step. When a record lacks the reference's wall time, a
 record measured against the same reference run (same reference workdir and iteration time)
-lends it. Records measuring evaluations directly (a 'where_time_went' key naming them) use that.
+lends it; without a reference, records measuring evaluations directly (a 'where_time_went' key
+naming them) use those. Faults that slow the job rather than stop it (contend) and faults found
+only by a later self-check (bad_slot) have no restart of their own: they are listed as unplaced.
 
 The reader is tolerant: missing fields fall back as documented in `read_case`; a fault it
 cannot place or cost is listed in `DrillCase.unplaced` with the reason, never guessed.
@@ -253,13 +255,13 @@ def predict(case: DrillCase) -> Prediction:
   """Replays `case`: events only, then with the per-step residual of the fault-free run."""
   events = simulate(job_for(case), iterations=case.steps, faults=case.faults)
   residual, source = None, "none: the record has no fault-free reference and no evaluations"
-  if case.evaluation_s is not None:
-    ran = case.steps + sum(x or 0 for x in case.recorded_lost)
-    residual, source = case.evaluation_s / ran, "evaluations measured in this run"
-  elif case.reference_wall_s is not None:
+  if case.reference_wall_s is not None:   # covers evaluations, logging, slower steps alike
     fault_free = simulate(job_for(case), iterations=case.steps).wall_s
     residual = max(0.0, case.reference_wall_s - fault_free) / case.steps
     source = f"fault-free reference run ({case.reference_from})"
+  elif case.evaluation_s is not None:
+    ran = case.steps + sum(x or 0 for x in case.recorded_lost)
+    residual, source = case.evaluation_s / ran, "evaluations measured in this run"
   out = events if residual is None else simulate(
       job_for(case, residual), iterations=case.steps, faults=case.faults)
   return Prediction(case, events.rate, out.rate, residual, source,

@@ -102,25 +102,26 @@ def latest_checkpoint(workdir: str) -> int:
   return next((s for s in steps if verify_manifest(os.path.join(directory, str(s))) is None), 0)
 
 
-def blamed_task(line: str, rank: int, count: int) -> int:
-  """The peer a coordination-service error line names (a lost task), else `rank` itself."""
-  match = _TASK.search(line)
-  return int(match.group(1)) if match and int(match.group(1)) < count else rank
+def blamed_task(text: str, rank: int, count: int) -> int:
+  """The peer a coordination-service error names (a task that stopped sending heartbeats or
+  a '/task:N' it lost), else `rank` itself (`count`: processes in the group)."""
+  for match in _TASK.finditer(text):
+    task = int(match.group(1) or match.group(2))
+    if task < count and task != rank:
+      return task
+  return rank
 
 
-def last_logged_step(workdir: str) -> int:
-  """The last step in WORKDIR/metrics.jsonl (0 if none)."""
-  last = 0
+def log_tail(path: str, size: int = 16384, wait_s: float = 0.3) -> str:
+  """The last `size` bytes of a log, after `wait_s` (the lines after a fatal one name the peer)."""
+  import time
+  time.sleep(wait_s)
   try:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      for line in f:
-        try:
-          last = max(last, json.loads(line)["step"])
-        except (ValueError, KeyError):
-          pass
+    with open(path, "rb") as f:
+      f.seek(max(os.path.getsize(path) - size, 0))
+      return f.read().decode(errors="replace")
   except OSError:
-    pass
-  return last
+    return ""
 
 
-_TASK = re.compile(r"/task:(\d+)")
+_TASK = re.compile(r"/task:(\d+)|stopped sending heartbeats\):\s*(\d+)")

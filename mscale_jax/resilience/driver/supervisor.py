@@ -36,7 +36,7 @@ from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
 from mscale_jax.resilience.driver import claim
 from mscale_jax.resilience.driver.claim import (blamed_task, last_logged_step,
-                                                 latest_checkpoint)
+                                                 latest_checkpoint, log_tail)
 from mscale_jax.resilience.driver.injector import OsInjector
 from mscale_jax.resilience.driver.server import HeartbeatServer
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
@@ -353,8 +353,8 @@ class Driver:
         continue
       line = self._new_fatal_line(group, rank, path)
       if line:   # a coordination-service error names the peer it lost: that one is at fault
-        return events.Failure(events.FATAL_LOG, blamed_task(line, rank, len(codes)),
-                              line)
+        context = log_tail(path) if "coordination" in line else line
+        return events.Failure(events.FATAL_LOG, blamed_task(context, rank, len(codes)), line)
     return self.observer.observe(now) or self._check_progress(group, beats, now)
 
   def _new_fatal_line(self, group: _Group, rank: int, path: str) -> str | None:
