@@ -47,6 +47,8 @@ _SPARES = flags.DEFINE_integer("spare_slots", 1, "Spare slots (a bad slot is rep
 _WORKDIR = flags.DEFINE_string("workdir", "runs/fault_drill", "Folder for both runs.")
 _REFERENCE = flags.DEFINE_string("reference", None, "A finished fault-free run to compare "
                                  "with (default: run one in WORKDIR/reference-<time>).")
+_RUN = flags.DEFINE_string("run", None, "A finished fault run (its workdir) to record again "
+                           "instead of running one (with --reference).")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 3600, "Give up on a launcher run (and kill all it "
                                 "started) after this many seconds.")
@@ -260,8 +262,8 @@ def main(argv):
   ref_dir = _REFERENCE.value or os.path.join(_WORKDIR.value, f"reference-{stamp}")
   if not os.path.exists(os.path.join(ref_dir, "summary.json")):
     launch(ref_dir, [])
-  run_dir = os.path.join(_WORKDIR.value, f"faults-{stamp}")
-  launches = launch(run_dir, faults)
+  run_dir = _RUN.value or os.path.join(_WORKDIR.value, f"faults-{stamp}")
+  launches = launch(run_dir, faults) if not _RUN.value else None
   ref_summary = read_json(os.path.join(ref_dir, "summary.json"))
   report = read_json(os.path.join(run_dir, "resilience", "report.json"))
   ref_report = read_json(os.path.join(ref_dir, "resilience", "report.json"))

@@ -125,3 +125,18 @@ def log_tail(path: str, size: int = 16384, wait_s: float = 0.3) -> str:
 
 
 _TASK = re.compile(r"/task:(\d+)|stopped sending heartbeats\):\s*(\d+)")
+
+
+def last_logged_step(workdir: str) -> int:
+  """The last step in WORKDIR/metrics.jsonl (0 if none)."""
+  last = 0
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for line in f:
+        try:
+          last = max(last, json.loads(line)["step"])
+        except (ValueError, KeyError):
+          pass
+  except OSError:
+    pass
+  return last
