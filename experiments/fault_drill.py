@@ -1,6 +1,6 @@
 r"""A fault drill: the main job on 2 processes with injected faults, against a fault-free run.
 
-  python -m experiments.fault_drill                      # gpt_tiny, 1000 steps, 12 faults
+  python -m experiments.fault_drill                      # gpt_tiny, 520 steps, 12 faults
   python -m experiments.fault_drill --fault=stop:rank=1:step=40 --fault=nan:step=60 \
       --steps=300 --reference=runs/drill-reference       # reuse a fault-free run
 
@@ -35,13 +35,13 @@ from experiments import job
 
 OLD_FAULTS = ["kill:rank=1:step=37", "bad_slot:slot=1:step=35", "kill:rank=0:step=80:at=save",
               "hang:rank=0:step=115", "nan:step=150", "exception:rank=1:step=190"]
-OS_FAULTS = ["stop:rank=1:step=240", "contend:rank=1:step=300:seconds=30",
-             "corrupt_checkpoint:rank=0:step=380", "io_error:step=450", "kill_driver:step=520",
-             "kill_coordinator:step=600"]
+OS_FAULTS = ["stop:rank=1:step=230", "contend:rank=1:step=270:seconds=30",
+             "corrupt_checkpoint:rank=0:step=320", "io_error:step=365", "kill_driver:step=410",
+             "kill_coordinator:step=455"]
 _FAULTS = flags.DEFINE_multi_string("fault", OLD_FAULTS + OS_FAULTS,
                                     "Faults to inject (experiments.launch --fault syntax).")
 _CONFIG = flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
-_STEPS = flags.DEFINE_integer("steps", 1000, "Training steps.")
+_STEPS = flags.DEFINE_integer("steps", 520, "Training steps.")
 _CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint cadence.")
 _SPARES = flags.DEFINE_integer("spare_slots", 1, "Spare slots (a bad slot is replaced).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/fault_drill", "Folder for both runs.")
@@ -231,7 +231,7 @@ def timeline_totals(run_dir: str) -> dict:
 def where_time_went(report: dict, run: dict, rows: list[dict], run_dir: str,
                     iteration_s: float) -> dict:
   """Wall seconds of the faulty run, each part measured on its own; the rest is unaccounted."""
-  start = report["attempts"][0]["started"]
+  start = next(a["started"] for a in report["attempts"] if a.get("started"))
   first = min(run.values(), key=lambda r: r["step"])
   measured = timeline_totals(run_dir)
   parts = {"startup_s": first["time"] - start - first["step_time_s"],

@@ -84,7 +84,9 @@ def lost_driver(claim: dict, ended: list[int], fired: dict | None, last_step: in
                 detection_latency_s=(failure.detected_at - failure.happened_at
                                      if failure.happened_at else None),
                 restore_step=restore_step, steps_lost=max(last_step - restore_step, 0))
-  attempt = {"attempt": len(claim["attempts"]), "slots": None, "started": None,
+  group = claim.get("group") or {}
+  attempt = {"attempt": len(claim["attempts"]), "slots": group.get("slots"),
+             "started": group.get("started"),
              "ended": failure.detected_at, "max_step": last_step, "warm_processes": 0,
              "failure": events.DRIVER_LOST}
   return record, attempt

@@ -219,7 +219,9 @@ class Driver:
 
   def _claim(self, procs, outcome: str | None = None) -> None:
     """Writes WORKDIR/resilience/driver.json: this driver, its workers, the job so far."""
+    g = self._group
     claim.write(self.state_dir, [p.pid for p in procs], {
+        "group": g and {"attempt": g.attempt, "slots": g.slots, "started": g.started},
         "started": self._started, "outcome": outcome, "restarts": self._restarts,
         "attempts": self.attempts, "failures": self.failures, "excluded": self.excluded})
 
