@@ -200,8 +200,10 @@ def per_fault_rows(faults: list[str], report: dict, run: dict, run_dir: str,
       continue
     diagnosis = (f.get("diagnosis") or {}).get("seconds")
     restart = _restart_s(f, run)
+    marker = _marker(run_dir, spec) or {}
     rows.append({
-        "injected": spec, "kind": f["kind"], "rank": f["rank"], "slot": f.get("slot"),
+        "injected": spec, "injected_step": marker.get("step"), "by": marker.get("by", "worker"),
+        "kind": f["kind"], "rank": f["rank"], "slot": f.get("slot"),
         "detected": True, "detail": f["detail"], "detection_latency_s": f["detection_latency_s"],
         "diagnosis": {"self_check_s": diagnosis,
                       "excluded": (f.get("diagnosis") or {}).get("excluded")},

@@ -104,3 +104,17 @@ def test_records_the_reader_cannot_use_are_reported_not_guessed(tmp_path):
   cases, errors = drill.read_all(str(tmp_path / "fault_drill-*.json"))
   assert cases == [] and len(errors) == 2
   assert "iteration_s" in errors[0][1] and "cadence" in errors[1][1]
+
+
+def test_faults_are_placed_where_they_struck(tmp_path):
+  # A fault from outside fires once a rank reports its step done (here 23, asked for 20); a
+  # worker's fires before its step runs.
+  figures = _figures(faults=[
+      {"injected": "stop:rank=1:step=20", "injected_step": 23, "by": "driver", "kind": "hang",
+       "detection_latency_s": 9.0, "restart_s": 4.0, "steps_lost": 3},
+      {"injected": "kill:rank=1:step=40", "injected_step": 40, "by": "worker",
+       "kind": "exited", "detection_latency_s": 0.2, "restart_s": 3.0, "steps_lost": 4}])
+  case = drill.read_case(_record(tmp_path, "h", figures, command="--checkpoint_every=5"))
+  assert [f.at_iteration for f in case.faults] == [23, 39]
+  assert case.specs == ("stop:rank=1:step=20", "kill:rank=1:step=40")
+  assert drill.predict(case).lost == (3, 4)

@@ -53,6 +53,7 @@ class DrillCase:
   reference_from: str           # where reference_wall_s came from
   evaluation_s: float | None    # evaluations measured in the faulty run, if recorded
   notes: tuple = ()
+  specs: tuple = ()             # the injection spec of each placed fault
 
 
 def _number(*values):
@@ -91,6 +92,12 @@ def _placement(fault: dict) -> tuple:
   (None, False, why not)."""
   spec = str(fault.get("injected") or fault.get("spec") or "")
   during_save = "at=save" in spec
+  # Where it actually struck: a driver-injected fault once a rank reported step N done, a
+  # worker's before step N runs (or during step N's save).
+  fired = _number(fault.get("injected_step"))
+  if fired is not None:
+    done = fault.get("by") == "driver" or during_save
+    return int(fired) - (0 if done else 1), during_save, "the step it was injected at"
   match = re.search(r"(?:^|:)step=(\d+)", spec)
   if match:
     step = int(match.group(1))
@@ -159,13 +166,14 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
   startup = _number(where.get("startup_s"), figures.get("startup_s"))
   if startup is None:
     notes.append("start-up time not recorded: left in the fault-free residual")
-  faults, lost, unplaced = [], [], []
+  faults, lost, unplaced, specs = [], [], [], []
   for f in figures.get("faults") or []:
     fault, how = _fault(f, iteration_s)
     if fault is None:
       unplaced.append((str(f.get("injected") or f.get("kind")), how))
       continue
     faults.append(fault)
+    specs.append(str(f.get("injected") or f.get("kind")))
     lost.append(_number(f.get("steps_lost")))
   reference, source = _number(figures.get("reference_wall_s")), "this record"
   if reference is None and records:
@@ -179,7 +187,7 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
       measured_rate=float(figures["effective_training_time_rate"]),
       measured_wall_s=float(figures["wall_s"]), measured_breakdown=where,
       reference_wall_s=reference, reference_from=source, evaluation_s=evaluation,
-      notes=tuple(notes))
+      notes=tuple(notes), specs=tuple(specs))
 
 
 def _borrow_reference(path: str, record: dict, records: dict) -> tuple:
