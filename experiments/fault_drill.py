@@ -117,8 +117,10 @@ def plot(per_fault: list[dict], figures: dict, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(9, 4.2))
-  labels = [f["injected"].split(":")[0] + ("\n(slot)" if f["injected"].startswith("bad") else "")
-            for f in per_fault]
+  labels = [f["injected"].split(":")[0] + (" at save" if "at=save" in f["injected"] else "")
+            + ("\n(found by a restart's\nself-check: no own cost)"
+               if f["injected"].startswith("bad_slot") else "")
+            + ("\n(not flagged)" if f["kind"] == "not flagged" else "") for f in per_fault]
   bottom = [0.0] * len(per_fault)
   for phase in PHASES:
     values = [f["phases"].get(phase) or 0.0 for f in per_fault]
@@ -232,26 +234,37 @@ def timeline_totals(run_dir: str) -> dict:
 
 def where_time_went(report: dict, run: dict, rows: list[dict], run_dir: str,
                     iteration_s: float) -> dict:
-  """Wall seconds of the faulty run, each part measured on its own; the rest is unaccounted."""
+  """Wall seconds of the faulty run: training at the fault-free rate, start-up, and per fault
+  detection, restart (with its self-check and first step) and replay, as the goodput reader
+  (mscale_jax/goodput/drill.py) splits a simulated run; the rest, `other_s`, itemised into
+  parts each measured on its own, and what none of them covers (`unaccounted_s`)."""
   start = next(a["started"] for a in report["attempts"] if a.get("started"))
   first = min(run.values(), key=lambda r: r["step"])
+  restarted = [r for r in rows if r.get("restart_s") is not None]
+  split = {"training_s": len(run) * iteration_s,
+           "startup_s": first["time"] - start - first["step_time_s"],
+           "detection_s": sum(r["detection_latency_s"] or 0.0 for r in restarted),
+           "restart_s": sum(r["restart_s"] for r in restarted),
+           "replayed_steps_s": sum(r["phases"]["replay_s"] for r in restarted)}
+  split["other_s"] = report["wall_s"] - sum(split.values())
   measured = timeline_totals(run_dir)
-  parts = {"startup_s": first["time"] - start - first["step_time_s"],
-           "training_s": measured.get("training_s", len(run) * iteration_s),
-           "checkpoint_stall_s": measured.get("checkpoint_stall_s"),
-           "evaluation_s": measured.get("evaluation_s")}
-  for phase in PHASES:
-    parts[phase.replace("replay_s", "replayed_steps_s")] = \
-        sum(r["phases"].get(phase) or 0.0 for r in rows)
-  parts["unaccounted_s"] = report["wall_s"] - sum(v or 0.0 for v in parts.values())
-  parts["sources"] = (
-      "startup: launch to the first step; training_s, checkpoint_stall_s, evaluation_s: rank "
-      "0's timeline spans (training: each step once, its last run); detection/diagnosis/restart:"
-      " the driver's report and each step's log time; replayed_steps_s: steps lost x the "
-      "fault-free iteration time; slowdown_s: extra step time while contend ran; "
-      "unaccounted_s: wall time no part covers (driver shutdown, heartbeat-late detection "
-      "overlap, steps slower than the steady mean outside the faults)")
-  return parts
+  other = {"checkpoint_stall_s": measured.get("checkpoint_stall_s"),
+           "evaluation_s": measured.get("evaluation_s"),
+           "slowdown_s": sum(r["phases"].get("slowdown_s") or 0.0 for r in rows),
+           "steps_slower_than_steady_s": measured["training_s"] - split["training_s"]
+           if "training_s" in measured else None}
+  other["unaccounted_s"] = split["other_s"] - sum(v or 0.0 for v in other.values())
+  split["other_split"] = other
+  split["sources"] = (
+      "training_s: steps x the fault-free iteration time; startup_s: launch to the first step; "
+      "detection/restart: the driver's report and each step's log time (restart: detection to "
+      "the end of the first new step, self-check included); replayed_steps_s: steps lost x the "
+      "iteration time. other_split, each measured on its own: checkpoint stalls and evaluations"
+      " (rank 0's timeline, every attempt), slowdown while contend ran (each step's time over "
+      "the steady one), steps slower than steady (rank 0's timeline, each step once, less "
+      "training_s, the slowdown counted in it too); unaccounted_s: what none of these covers "
+      "(driver shutdown, the relaunch after kill_driver, heartbeat-late detection)")
+  return split
 
 
 def main(argv):
@@ -265,7 +278,13 @@ def main(argv):
   if not os.path.exists(os.path.join(ref_dir, "summary.json")):
     launch(ref_dir, [])
   run_dir = _RUN.value or os.path.join(_WORKDIR.value, f"faults-{stamp}")
-  launches = launch(run_dir, faults) if not _RUN.value else None
+  if not _RUN.value:   # kept with the run, so that it can be recorded again (--run)
+    launches = launch(run_dir, faults)
+    with open(os.path.join(run_dir, "drill_runs.json"), "w") as f:
+      json.dump({"launcher_runs": launches, "load_average": [load_before[0], os.getloadavg()[0]]},
+                f)
+  drill_runs = read_json(os.path.join(run_dir, "drill_runs.json"))
+  load = drill_runs["load_average"]
   ref_summary = read_json(os.path.join(ref_dir, "summary.json"))
   report = read_json(os.path.join(run_dir, "resilience", "report.json"))
   ref_report = read_json(os.path.join(ref_dir, "resilience", "report.json"))
@@ -284,7 +303,7 @@ def main(argv):
       "excluded_slots": report["excluded_slots"],
       "completed": report["completed"],
       "wall_s": report["wall_s"],
-      "launcher_runs": launches,
+      "launcher_runs": drill_runs["launcher_runs"],
       "steps": _STEPS.value,
       "checkpoint_every": _CHECKPOINT_EVERY.value,
       "iteration_s": iteration_s,
@@ -306,7 +325,10 @@ def main(argv):
       "limits": "the launcher's defaults (hang floor 60 s, 20 step times; startup 600 s; io "
                 "120 s); each run's own cold compilation cache",
       "machine_note": "a shared machine (2 cores, several engineers' jobs): timings are noisy; "
-                      f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after",
+                      f"1-min load average {load[0]:.1f} before the runs, {load[1]:.1f} after "
+                      "the fault run. Steps of the fault run ran faster than the reference's "
+                      "steady mean when the machine was less busy: other_split then holds a "
+                      "negative steps_slower_than_steady_s",
   }
   device = {"platform": "cpu", "processes": 2, "devices_per_process": 4,
             "spare_slots": _SPARES.value, "host_cpu_count": os.cpu_count()}
