@@ -15,6 +15,10 @@ WORKDIR/resilience/report.json and worker logs are in WORKDIR/logs/. With --emit
 scheduler to start the workers (JAX's cluster auto-detection joins them); those files run
 this launcher beside the workers with --watch (heartbeats only; exit 1 at the first failure).
 
+If the driver itself dies (kill -9, a lost login node), running the same command again resumes
+the job from its workdir: the new driver ends the workers the dead one left running and carries
+its report on (WORKDIR/resilience/driver.json); while that driver still runs, the command
+refuses to start a second job in the same workdir.
 Bad input (an unknown --fault, a process count the mesh cannot use, a port in use, a
 coordinator host this machine cannot serve) prints one line and exits with status 2 before
 anything is started or written.
