@@ -305,3 +305,20 @@ def test_a_replayed_step_counts_once_in_the_merged_timeline(tmp_path):
   for step in range(1, 9):
     last = want[1] if step >= 5 else want[0]
     assert got[step] == pytest.approx(last[step])
+
+
+def test_a_second_launch_into_a_workdir_whose_driver_lives_is_refused(tmp_path, workers):
+  driver = workers.procs[0]   # stands in for a running driver
+  claim.write(str(tmp_path / "resilience"), [], {"started": 1.0})
+  record = claim.read(str(tmp_path / "resilience"))
+  record["driver"] = {"pid": driver.pid, "start": claim.start_time(driver.pid)}
+  (tmp_path / "resilience" / claim.NAME).write_text(json.dumps(record))
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.launch", f"--workdir={tmp_path}"], cwd=repo,
+      capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo))
+  assert result.returncode == 2, result.stderr[-2000:]
+  [line] = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+  assert f"driver pid {driver.pid} runs this job" in line and "Traceback" not in result.stderr
+  assert sorted(os.listdir(tmp_path)) == ["resilience"]   # nothing started or written
