@@ -322,3 +322,33 @@ def test_a_second_launch_into_a_workdir_whose_driver_lives_is_refused(tmp_path, 
   [line] = [x for x in result.stderr.splitlines() if x.startswith("error:")]
   assert f"driver pid {driver.pid} runs this job" in line and "Traceback" not in result.stderr
   assert sorted(os.listdir(tmp_path)) == ["resilience"]   # nothing started or written
+
+
+def test_a_resumed_driver_files_the_dead_ones_failure_and_its_last_self_check(tmp_path):
+  from mscale_jax.files import write_json
+  from mscale_jax.resilience.driver.supervisor import Driver, DriverOptions
+  state = tmp_path / "resilience"
+  io = {"kind": "exception", "rank": 0, "detail": "CheckpointWriteError", "step": 370,
+        "detected_at": 5.0, "happened_at": 4.0, "attempt": 3, "injected": "io_error:step=365"}
+  claim.write(str(state), [], {
+      "group": {"attempt": 4, "slots": [0, 2], "started": 6.0}, "started": 1.0,
+      "outcome": None, "restarts": 3, "attempts": [{"attempt": a, "ended": 2.0 + a}
+                                                   for a in range(4)],
+      "failures": [io], "excluded": {"1": "corrupt"}})
+  write_json(str(state / "selfcheck-4" / "verdict.json"),
+             {"seconds": 0.7, "results": {}, "excluded": {}})
+  write_json(str(state / "faults" / "9-kill_driver-driver.json"),
+             {"fault": "kill_driver:step=410", "rank": 0, "step": 410, "time": 8.0})
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n"
+                                                  for s in range(1, 413)))
+  os.makedirs(tmp_path / "checkpoints" / "410")
+  driver = Driver(DriverOptions(worker_command=["true"], workdir=str(tmp_path)),
+                  out=open(os.devnull, "w"))
+  started, first_attempt = driver._resume()
+  assert (started, first_attempt, driver.excluded) == (1.0, 5, {1: "corrupt"})
+  assert driver.failures[0]["diagnosis"]["seconds"] == 0.7   # the io_error's restart checked
+  lost = driver.failures[1]
+  assert (lost["kind"], lost["injected"], lost["happened_at"]) == \
+      ("driver_lost", "kill_driver:step=410", 8.0)
+  assert (lost["last_step"], lost["restore_step"], lost["steps_lost"]) == (412, 410, 2)
+  assert driver.attempts[-1]["slots"] == [0, 2] and driver.attempts[-1]["started"] == 6.0

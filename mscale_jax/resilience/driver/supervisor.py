@@ -207,6 +207,8 @@ class Driver:
     self.attempts, self.failures = previous["attempts"], previous["failures"]
     self.excluded = {int(k): v for k, v in previous["excluded"].items()}
     self._restarts = previous["restarts"] + 1
+    if previous.get("group"):   # the dead driver's last group: its self-check verdict, if any
+      self._take_diagnosis(_Group(previous["group"]["attempt"], previous["group"]["slots"]), None)
     fired = self._fired_since(previous["attempts"][-1]["ended"] if previous["attempts"]
                               else previous["started"])
     record, attempt = claim.lost_driver(previous, ended, fired, last_logged_step(self.workdir),
