@@ -7,6 +7,7 @@ a lost login node), running the same launch command again reads the claim: it re
 while that driver lives (no second job in one workdir), otherwise it ends the workers the dead
 driver left running and carries the job's history on, so that the report covers the whole job.
 """
+import glob
 import json
 import os
 import re
@@ -70,10 +71,13 @@ def end_leftover_workers(claim: dict) -> list[int]:
   return ended
 
 
-def lost_driver(claim: dict, ended: list[int], fired: dict | None, last_step: int,
-                restore_step: int) -> tuple[dict, dict]:
+def lost_driver(claim: dict, ended: list[int], workdir: str) -> tuple[dict, dict]:
   """The failure record and the attempt record of a driver that died (its `claim`), as the next
-  driver files them; `fired` is the fault marker that killed it, if injected."""
+  driver files them: the fault marker that killed it, if injected, the last step logged and the
+  checkpoint the job restarts from."""
+  fired = fired_since(os.path.join(workdir, "resilience"),
+                      claim["attempts"][-1]["ended"] if claim["attempts"] else claim["started"])
+  last_step, restore_step = last_logged_step(workdir), latest_checkpoint(workdir)
   failure = events.Failure(events.DRIVER_LOST, None,
                            f"driver pid {claim['driver']['pid']} died; the next driver ended "
                            f"the {len(ended)} workers it left running",
@@ -142,3 +146,14 @@ def last_logged_step(workdir: str) -> int:
   except OSError:
     pass
   return last
+
+
+def fired_since(state_dir: str, since: float) -> dict | None:
+  """The newest fault marker written since `since` (an injected fault's when and where)."""
+  markers = []
+  for path in glob.glob(os.path.join(state_dir, "faults", "*.json")):
+    with open(path) as f:
+      marker = json.load(f)
+    if marker["time"] >= since:
+      markers.append(marker)
+  return max(markers, key=lambda m: m["time"], default=None)

@@ -21,7 +21,6 @@ batches. A failure that repeats at the same step, or a bad configuration (a work
 status 2), ends the job. Everything lands in WORKDIR/resilience/report.json.
 """
 import dataclasses
-import glob
 import itertools
 import json
 import os
@@ -35,8 +34,8 @@ from mscale_jax.files import write_json
 from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
 from mscale_jax.resilience.driver import claim
-from mscale_jax.resilience.driver.claim import (blamed_task, last_logged_step,
-                                                 latest_checkpoint, log_tail)
+from mscale_jax.resilience.driver.claim import (blamed_task, fired_since, latest_checkpoint,
+                                                 log_tail)
 from mscale_jax.resilience.driver.injector import OsInjector
 from mscale_jax.resilience.driver.server import HeartbeatServer
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
@@ -209,10 +208,7 @@ class Driver:
     self._restarts = previous["restarts"] + 1
     if previous.get("group"):   # the dead driver's last group: its self-check verdict, if any
       self._take_diagnosis(_Group(previous["group"]["attempt"], previous["group"]["slots"]), None)
-    fired = self._fired_since(previous["attempts"][-1]["ended"] if previous["attempts"]
-                              else previous["started"])
-    record, attempt = claim.lost_driver(previous, ended, fired, last_logged_step(self.workdir),
-                                        latest_checkpoint(self.workdir))
+    record, attempt = claim.lost_driver(previous, ended, self.workdir)
     self.failures.append(record)
     self.attempts.append(attempt)
     self.say(f"resuming the job in {self.workdir} after its driver died (ended {len(ended)} "
@@ -423,7 +419,7 @@ class Driver:
   def _record(self, failure: events.Failure, group: _Group) -> dict:
     if hasattr(self, "injector"):
       self.injector.failure_detected()
-    fired = self._fired_since(group.started)
+    fired = fired_since(self.state_dir, group.started)
     if fired:
       failure.happened_at = fired["time"]
       failure.step = failure.step or fired["step"]
@@ -438,16 +434,6 @@ class Driver:
     self.say(f"detected {failure.kind} on rank {failure.rank}: {failure.detail}"
              + (f" ({latency:.1f} s after the fault)" if latency is not None else ""))
     return record
-
-  def _fired_since(self, since: float) -> dict | None:
-    """The newest fault marker written since `since` (an injected fault's when and where)."""
-    markers = []
-    for path in glob.glob(os.path.join(self.state_dir, "faults", "*.json")):
-      with open(path) as f:
-        marker = json.load(f)
-      if marker["time"] >= since:
-        markers.append(marker)
-    return max(markers, key=lambda m: m["time"], default=None)
 
   def _repeats(self, record: dict) -> bool:
     if len(self.failures) < 2 or record.get("injected"):
