@@ -8,6 +8,10 @@ r"""Do MegaScale's algorithmic changes keep model quality? Figure 10 at small sc
           attention (SWA) / PTB + SWA; AdamW at batch B.
   fig10b  AdamW at batch B (the baseline) / LAMB at 4B / AdamW at 4B, learning rates at 4B
           scaled by sqrt(4) as in the LAMB paper; 4B runs take 1/4 of the steps (equal tokens).
+  sdp4bit SDP4Bit's quantized data-parallel collectives on 8 devices (data=2 x fsdp=4): exact
+          collectives (its baseline) / qWD only (4-bit weight differences) / TLq-HS only
+          (8/4-bit gradients, Hadamard) / both / the weights themselves at 4 bits (the
+          ablation that motivates qWD). Simulates 8 CPU devices when asked for.
 
 Every variant is the config's `run` with one switch changed, trained by the project's Trainer on
 one device, once per seed (seed s sets both the initialisation and the data order, so seed s of
@@ -63,6 +67,9 @@ class Variant:
   sliding_window: bool = False
   optimizer: str = "adamw"
   large_batch: bool = False          # batch_scale x the batch, 1 / batch_scale of the steps
+  dp_comm: str = "none"
+  sdp4bit: tuple = ()                 # (field, value) pairs of optimizer.sdp4bit
+  devices: int = 1                   # > 1: the sdp4bit_mesh (data x fsdp) over that many
 
 
 BASELINE = Variant("baseline", "sequential + full attention, AdamW @ B")
@@ -76,7 +83,17 @@ FIGURES = {
                Variant("lamb_4b", "LAMB @ 4B, sqrt-scaled lr", optimizer="lamb",
                        large_batch=True),
                Variant("adamw_4b", "AdamW @ 4B, sqrt-scaled lr", large_batch=True)),
+    "sdp4bit": (Variant("dp8_exact", "8 devices, exact collectives", devices=8),
+                Variant("qwd", "qWD: 4-bit weight differences", devices=8, dp_comm="sdp4bit",
+                        sdp4bit=(("gradients", False),)),
+                Variant("tlq_hs", "TLq-HS: 8/4-bit gradients + Hadamard", devices=8,
+                        dp_comm="sdp4bit", sdp4bit=(("weights", "none"),)),
+                Variant("sdp4bit", "SDP4Bit: qWD + TLq-HS", devices=8, dp_comm="sdp4bit"),
+                Variant("weights_4bit", "4-bit weights (no differences)", devices=8,
+                        dp_comm="sdp4bit", sdp4bit=(("weights", "weights"),
+                                                    ("gradients", False)))),
 }
+SDP4BIT_MESH = {"data": 2, "fsdp": 4}
 
 
 def settings_from_flags():
@@ -115,11 +132,14 @@ def variant_config(settings, variant: Variant, seed: int):
       raise ConfigError(field, value, f"a multiple of batch_scale={scale}, so that the "
                         f"{scale}B runs see the same tokens and held-out windows")
   base_lr = settings.lamb_learning_rate if variant.optimizer == "lamb" else o.learning_rate
+  mesh = SDP4BIT_MESH if variant.devices > 1 else {}
   config = run.replace(
+      mesh=mesh,
       model={"block": variant.block,
              "attention_window": settings.window if variant.sliding_window else None},
       optimizer={"name": variant.optimizer, "learning_rate": base_lr * math.sqrt(scale),
-                 "warmup_steps": o.warmup_steps // scale},
+                 "warmup_steps": o.warmup_steps // scale, "dp_comm": variant.dp_comm,
+                 "sdp4bit": dataclasses.replace(o.sdp4bit, **dict(variant.sdp4bit))},
       train={"seed": seed, "global_batch": t.global_batch * scale, "steps": t.steps // scale,
              "log_every": t.log_every // scale, "eval_every": t.eval_every // scale,
              "eval_batches": t.eval_batches // scale,
@@ -154,11 +174,17 @@ def verbatim_overlap(corpus, batches) -> int | None:
   return count
 
 
+def devices_of(config) -> int:
+  """Devices a run's mesh takes (one, or the sdp4bit figure's data x fsdp)."""
+  return config.mesh.data * config.mesh.fsdp if config.mesh.data > 0 else 1
+
+
 def train_one(config, workdir: str):
-  """Trains one run with the project's Trainer on one device: (curves and timing, Trainer)."""
+  """Trains one run with the project's Trainer on its devices: (curves and timing, Trainer)."""
   import jax
   from mscale_jax.train import Trainer
-  trainer = Trainer(config, workdir, devices=jax.devices()[:1], show_progress=False)
+  trainer = Trainer(config, workdir, devices=jax.devices()[:devices_of(config)],
+                    show_progress=False)
   fingerprint = eval_fingerprint(trainer.eval_batches)
   start = time.perf_counter()
   summary = trainer.train()
@@ -248,7 +274,7 @@ def table(figure: str, variants, stats: dict, diffs: dict, seeds: int) -> str:
            "|---|---|---|"]
   for variant in variants:
     f = stats[variant.name]["final_eval_loss"]
-    if variant.name == BASELINE.name:
+    if variant.name == variants[0].name:
       diff = "-"
     else:
       d = diffs[figure][variant.name]
@@ -278,7 +304,7 @@ def main(argv):
                for v in variants}
     from mscale_jax.config import validate
     for runs in configs.values():
-      validate(runs[0], 1)
+      validate(runs[0], devices_of(runs[0]))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     workdir = os.path.abspath(_WORKDIR.value or os.path.join("runs", f"convergence-{stamp}"))
     if os.path.isdir(workdir) and os.listdir(workdir):
@@ -290,6 +316,9 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 
+  if "sdp4bit" in _FIGURES.value:
+    from experiments.host_devices import simulate_cpu_devices
+    simulate_cpu_devices(8)
   import jax
   # Seeds of a variant share their compiled train and eval steps through this cache.
   jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "jax_cache"))
@@ -324,8 +353,8 @@ def main(argv):
   if len(fingerprints) != 1:
     raise RuntimeError(f"variants were evaluated on different held-out windows: {fingerprints}")
   stats = {name: summarize(runs) for name, runs in results.items()}
-  diffs = {f: {v.name: paired_difference(results[v.name], results[BASELINE.name])
-               for v in FIGURES[f] if v.name != BASELINE.name} for f in _FIGURES.value}
+  diffs = {f: {v.name: paired_difference(results[v.name], results[FIGURES[f][0].name])
+               for v in FIGURES[f][1:]} for f in _FIGURES.value}
   write_outputs(settings, variants, configs, results, stats, diffs, corpus_check,
                 fingerprints.pop(), out_dir, commit)
 
@@ -335,10 +364,10 @@ def write_outputs(settings, variants, configs, results, stats, diffs, corpus_che
   """The JSON record, one PNG per figure and the markdown tables, under `out_dir`."""
   from experiments import results as results_lib
   os.makedirs(out_dir, exist_ok=True)
-  run = configs[BASELINE.name][0]
+  run = configs[variants[0].name][0]
   m, t = run.model, run.train
   tokens = t.steps * t.global_batch * m.seq_len
-  title = (f"{results[BASELINE.name][0]['num_params']:,}-parameter byte-level GPT "
+  title = (f"{results[variants[0].name][0]['num_params']:,}-parameter byte-level GPT "
            f"({m.num_layers} x d={m.hidden}, seq {m.seq_len}), {tokens:,} tokens, "
            f"B={t.global_batch}, window {settings.window}, {settings.seeds} seeds")
   paths = draw(title, _FIGURES.value, stats, diffs, settings.seeds, out_dir)

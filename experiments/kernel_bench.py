@@ -15,7 +15,7 @@ simulate_cpu_devices(8)
 
 from absl import app, flags  # noqa: E402
 
-KERNELS = ("collective_matmul", "flash_attention", "layer_norm", "lamb", "gemm")
+KERNELS = ("collective_matmul", "flash_attention", "layer_norm", "lamb", "gemm", "quantize")
 
 _KERNEL = flags.DEFINE_enum("kernel", "all", ("all",) + KERNELS, "Which kernel to benchmark.")
 _SIZE = flags.DEFINE_enum("size", "auto", ("auto", "tiny", "small", "full"),

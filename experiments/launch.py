@@ -5,6 +5,7 @@ r"""Multi-process training under MegaScale's robust-training driver, or its clus
   python -m experiments.launch --num_processes=2 --fault=kill:rank=1:step=37 \
       --fault=hang:rank=0:step=60 --hang_timeout_s=20 -- --config.train.checkpoint_every=20
   python -m experiments.launch --emit=slurm --num_processes=16 --devices_per_process=8 -- ...
+  python -m experiments.launch --emit=kubernetes --pvc=CLAIM --image=REGISTRY/mscale-jax -- ...
 
 Flags before `--` are the launcher's; those after it are experiments.train's, passed to every
 worker. Locally the driver starts the workers (one JAX process each, with its own simulated CPU
@@ -19,6 +20,10 @@ If the driver itself dies (kill -9, a lost login node), running the same command
 the job from its workdir: the new driver ends the workers the dead one left running and carries
 its report on (WORKDIR/resilience/driver.json); while that driver still runs, the command
 refuses to start a second job in the same workdir.
+The driver's heartbeat endpoint takes requests only with the job's secret token (the local
+driver makes one, or takes MSCALE_HEARTBEAT_TOKEN from the environment, which --watch
+requires); it is in WORKDIR/resilience/heartbeat_token for `curl .../status`.
+
 Bad input (an unknown --fault, a process count the mesh cannot use, a port in use, a
 coordinator host this machine cannot serve) prints one line and exits with status 2 before
 anything is started or written.
@@ -75,6 +80,19 @@ _WATCH = flags.DEFINE_bool("watch", False, "Cluster mode (used by the generated 
                            "and exit 1 at the first failure detected.")
 _ATTEMPT = flags.DEFINE_integer("attempt", 0, "With --watch: which (re)start this is.")
 _IMAGE = flags.DEFINE_string("image", "mscale-jax:latest", "Container image (kubernetes).")
+_IMAGE_REPO = flags.DEFINE_string("image_repo", "/workspace/mscale-jax", "The checkout inside "
+                                  "the image: the pods' working directory (kubernetes).")
+_PVC = flags.DEFINE_string("pvc", "", "PersistentVolumeClaim (ReadWriteMany) that holds the "
+                           "workdir, mounted in every pod at --mount (kubernetes; required: "
+                           "without it checkpoints neither survive a restart nor are shared).")
+_MOUNT = flags.DEFINE_string("mount", "/mnt/mscale", "Where pods mount --pvc; the workdir is "
+                             "MOUNT/<the workdir's name> (kubernetes).")
+_TASKS_PER_NODE = flags.DEFINE_integer("tasks_per_node", 1, "Worker processes per node "
+                                       "(slurm).")
+_CLUSTER_GPUS = flags.DEFINE_bool("cluster_gpus", True, "Ask the scheduler for "
+                                  "devices_per_process GPUs per process; --nocluster_gpus: "
+                                  "workers use that many simulated CPU devices (slurm, "
+                                  "kubernetes).")
 _STRAGGLER_POLICY = flags.DEFINE_enum("straggler_policy", "warn", ["warn", "evict"],
                                       "On a straggler: print and record it (warn), or also "
                                       "restart without its slot (evict).")
@@ -83,6 +101,14 @@ _STRAGGLER_THRESHOLD = flags.DEFINE_float("straggler_threshold", 0.1, "A rank is
                                           "by this fraction of a step.")
 _STRAGGLER_WINDOW = flags.DEFINE_integer("straggler_window", 10, "Consecutive abnormal steps "
                                          "before a straggler is flagged.")
+_DETECTOR = flags.DEFINE_enum("straggler_detector", "threshold", ["threshold", "minder"],
+                              "Which detector flags a faulty rank: 'threshold' (each step's "
+                              "own-phase seconds against the others' median) or 'minder' "
+                              "(Minder, NSDI'25, on the per-second monitoring samples; needs "
+                              ">= 3 processes; docs/monitoring.md).")
+_MINDER_FIT = flags.DEFINE_integer("minder_fit_s", 120, "With --straggler_detector=minder: "
+                                   "seconds of the job's own healthy samples it trains on "
+                                   "before flagging.")
 _HOST_PROBES = flags.DEFINE_bool("straggler_host_probes", False, "Also flag ranks whose host "
                                   "probes (a small matmul's time, memory) stand out; meaningful "
                                   "when each worker has its own cores.")
@@ -108,6 +134,9 @@ def check_port_free(host: str, port: int, field: str) -> None:
   """ConfigError unless this machine can listen on host:port (port 0: any port)."""
   try:
     with socket.socket() as s:
+      # As the servers do: a port whose old connections linger in TIME_WAIT (the previous
+      # attempt's heartbeats) is free to listen on.
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
       s.bind((host, port))
   except OSError as e:
     what = "a free port" if port else f"an address of this machine ({e.strerror})"
@@ -130,6 +159,11 @@ def check_inputs(train_args: list[str]):
                       "a positive fraction of a step, e.g. 0.1")
   if _STRAGGLER_WINDOW.value < 1:
     raise ConfigError("--straggler_window", _STRAGGLER_WINDOW.value, "a positive number of steps")
+  if _DETECTOR.value == "minder" and n < 3:
+    raise ConfigError("--straggler_detector", "minder", "--num_processes >= 3 (Minder compares "
+                      f"each rank with its peers; got {n})")
+  if _MINDER_FIT.value < 60:
+    raise ConfigError("--minder_fit_s", _MINDER_FIT.value, "at least 60 seconds of samples")
   if any(a.startswith("--workdir") for a in train_args):
     raise ConfigError("--workdir", train_args, "give --workdir before '--' (the launcher's)")
   config = parse_train_args(train_args)
@@ -157,6 +191,14 @@ def check_inputs(train_args: list[str]):
       raise ConfigError("--workdir", _WORKDIR.value, f"a folder no running driver uses: driver "
                         f"pid {pid} runs this job (running the command again resumes a job "
                         f"only once its driver is gone)")
+  if _EMIT.value == "kubernetes" and not _PVC.value:
+    raise ConfigError("--pvc", "(unset)", "the name of a PersistentVolumeClaim (ReadWriteMany) "
+                      "for the workdir: checkpoints must outlive a pod and be shared")
+  if _TASKS_PER_NODE.value < 1:
+    raise ConfigError("--tasks_per_node", _TASKS_PER_NODE.value, "a positive integer")
+  if _WATCH.value and not os.environ.get("MSCALE_HEARTBEAT_TOKEN"):
+    raise ConfigError("MSCALE_HEARTBEAT_TOKEN", "(unset)", "the job's heartbeat secret, which "
+                      "the job file exports to the driver and the workers alike")
   return config, faults
 
 
@@ -178,9 +220,19 @@ def main(argv):
         heartbeat_port=_HEARTBEAT_PORT.value or 8470, train_args=train_args,
         workdir=workdir, image=_IMAGE.value, faults=[f.spec for f in faults],
         heartbeat_s=_HEARTBEAT_S.value, hang_timeout_s=_HANG.value,
-        max_restarts=_RESTARTS.value, repo=os.getcwd())
-    path = cluster.write(spec, _EMIT.value, workdir)
+        max_restarts=_RESTARTS.value, repo=os.getcwd(), python=sys.executable,
+        tasks_per_node=_TASKS_PER_NODE.value, gpus=_CLUSTER_GPUS.value,
+        xla_flags=_XLA_FLAGS.value, pvc=_PVC.value, mount=_MOUNT.value,
+        image_repo=_IMAGE_REPO.value)
+    try:
+      path = cluster.write(spec, _EMIT.value, workdir)
+    except ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
     print(f"[launch] wrote {path}")
+    if _EMIT.value == "kubernetes":
+      print(f"[launch] first: kubectl create secret generic {cluster.secret_name(spec)} "
+            f"--from-literal=token=$(openssl rand -hex 24)")
     return
   from mscale_jax.resilience.driver.supervisor import Driver, DriverOptions
   options = DriverOptions(
@@ -188,6 +240,7 @@ def main(argv):
       devices_per_process=_DEVICES.value, spare_slots=_SPARES.value,
       coordinator_host=_HOST.value, coordinator_port=_PORT.value,
       heartbeat_port=_HEARTBEAT_PORT.value, heartbeat_s=_HEARTBEAT_S.value,
+      heartbeat_token=os.environ.get("MSCALE_HEARTBEAT_TOKEN", ""),
       hang_timeout_s=_HANG.value, hang_step_factor=_HANG_FACTOR.value,
       startup_timeout_s=_STARTUP.value, io_timeout_s=_IO_TIMEOUT.value,
       max_restarts=_RESTARTS.value,
@@ -197,7 +250,8 @@ def main(argv):
       straggler_policy=_STRAGGLER_POLICY.value, straggler_threshold=_STRAGGLER_THRESHOLD.value,
       straggler_window=_STRAGGLER_WINDOW.value, status_every_s=_STATUS_EVERY.value,
       tokens_per_step=config.train.global_batch * config.model.seq_len,
-      straggler_host_probes=_HOST_PROBES.value)
+      straggler_host_probes=_HOST_PROBES.value, straggler_detector=_DETECTOR.value,
+      minder_fit_s=_MINDER_FIT.value)
   if _WATCH.value:
     report = Driver(options).watch(_ATTEMPT.value)
     sys.exit(0 if report["completed"] else 1)

@@ -2,18 +2,21 @@ r"""Searches TP, PP, virtual stages, DP, micro-batch, global batch and technique
 
   python -m experiments.plan --model=175B --gpus=256,1024,12288
   python -m experiments.plan --model=530B --gpus=2240 --global_batch=2240 --hardware=h100_dgx
+  python -m experiments.plan --model=175B --gpus=1024 --dp_comm=sdp4bit --node_gbps=400
 
 For each GPU count prints the configurations with the highest predicted MFU that fit in memory,
 with their breakdowns, then the paper's layout (Table 1) and why the best one beats it (the
 breakdown terms that differ most). Predictions come from mscale_jax.perf with one set of
 constants (or a calibrated copy, --calibrate).
 """
+import dataclasses
 import sys
 
 from absl import app, flags
 
 from mscale_jax.errors import ConfigError
 from mscale_jax.perf import calibrate, constants, hardware, paper, search
+from mscale_jax.perf.compressed import DPCompression
 from mscale_jax.perf.iteration import BREAKDOWN_KEYS
 from mscale_jax.perf.workload import MODELS
 
@@ -45,15 +48,25 @@ def why(best, ref) -> str:
 
 
 def plan(model_name: str, gpus: int, hw_name: str, batch: int, scale: int, top: int,
-         c) -> list:
-  """Prints and returns the top configurations for one GPU count."""
+         c, dp_comm: str = "none", node_gbps: float = 0.0) -> list:
+  """Prints and returns the top configurations for one GPU count.
+
+  dp_comm='sdp4bit' searches with SDP4Bit's two-level quantized DP collectives
+  (`perf/compressed.py`); node_gbps > 0 sets the inter-node bandwidth per node (Gb/s).
+  """
   if model_name not in MODELS:
     raise ConfigError("model", model_name, f"one of {sorted(MODELS)}")
+  if dp_comm not in ("none", "sdp4bit"):
+    raise ConfigError("dp_comm", dp_comm, "'none' or 'sdp4bit'")
   model, hw = MODELS[model_name], hardware.get_hardware(hw_name)
+  if node_gbps:
+    hw = dataclasses.replace(hw, nic_bw=node_gbps * 1e9 / 8 / hw.nics_per_node)
   batch = batch or (768 if gpus <= 1024 else 6144)
-  best = search.search(model, gpus, hw, batch, paper.MEGASCALE, c, max_batch_scale=scale,
-                       top=top)
-  print(f"\n== {model.name} on {gpus} x {hw.name}, global batch {batch} ==")
+  techniques = paper.MEGASCALE if dp_comm == "none" else dataclasses.replace(
+      paper.MEGASCALE, dp_compression=DPCompression())
+  best = search.search(model, gpus, hw, batch, techniques, c, max_batch_scale=scale, top=top)
+  print(f"\n== {model.name} on {gpus} x {hw.name}, global batch {batch}, dp_comm={dp_comm}"
+        f"{f', {node_gbps:g} Gb/s per node' if node_gbps else ''} ==")
   for i, pred in enumerate(best):
     print(f"{i + 1}. {describe(pred)}")
     print(breakdown(pred))
@@ -93,6 +106,10 @@ def define_flags() -> None:
   flags.DEFINE_string("calibrate", None, "kernel_bench-gemm record to calibrate on.")
   flags.DEFINE_bool("calibrate_any_device", False, "Apply --calibrate's record even when it was "
                     "measured on another accelerator than --hardware models.")
+  flags.DEFINE_enum("dp_comm", "none", ["none", "sdp4bit"], "Data-parallel collectives: XLA's "
+                    "rings, or SDP4Bit's two-level quantized ones (perf/compressed.py).")
+  flags.DEFINE_float("node_gbps", 0.0, "Inter-node bandwidth per node in Gb/s (0: the "
+                     "preset's).")
   flags.DEFINE_bool("goodput", False, "Also print the best layout's tokens per wall-clock second "
                     "with failures counted (experiments.goodput.goodput_line).")
 
@@ -111,7 +128,8 @@ def main(argv):
         gpus = int(value)
       except ValueError as e:
         raise ConfigError("gpus", value, "a comma-separated list of integers") from e
-      best = plan(f.model, gpus, f.hardware, f.global_batch, f.max_batch_scale, f.top, c)
+      best = plan(f.model, gpus, f.hardware, f.global_batch, f.max_batch_scale, f.top, c,
+                  f.dp_comm, f.node_gbps)
       if f.goodput and best:
         from experiments.goodput import goodput_line
         print(goodput_line(best[0]))

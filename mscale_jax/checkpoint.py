@@ -1,7 +1,8 @@
 """Checkpoints with orbax: asynchronous, atomic, kept K deep, restorable into another mesh.
 
 A checkpoint at step N holds three items:
-  state  the train state pytree {step, params, opt_state} (sharded arrays);
+  state  the train state pytree {step, params, opt_state} (and SDP4Bit's reference weights)
+         (sharded arrays);
   data   the data iterator's state (JSON), so a resumed run sees the same batches;
   meta   the model and optimizer configs (JSON), so resuming a different model shape or
          optimizer fails clearly.
@@ -220,6 +221,11 @@ class Checkpointer:
   def layer_layout(self, step: int) -> tuple[int, int]:
     """(stages, virtual stages) whose layer order checkpoint `step` holds ((1, 1): natural)."""
     return tuple(self.restore_meta(step).get("layer_layout", (1, 1)))
+
+  def dp_comm(self, step: int) -> str:
+    """optimizer.dp_comm of the run that wrote checkpoint `step` ('none' before it existed);
+    'sdp4bit' checkpoints hold the reference weights too."""
+    return self.restore_meta(step)["optimizer"].get("dp_comm", "none")
 
   def restore_data_state(self, step: int) -> dict:
     """The data iterator's state saved with `step`."""

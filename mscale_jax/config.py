@@ -26,6 +26,10 @@ TOKEN_DTYPES = ("uint16", "uint32")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")   # parallel/schedule.py
 NONFINITE_POLICIES = ("stop", "skip_step", "rollback")
+DP_COMMS = ("none", "sdp4bit")            # data-parallel collectives (mscale_jax/sdp4bit/)
+SDP4BIT_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)   # integer codes; 16: bfloat16; 32: unquantized
+SDP4BIT_WEIGHTS = ("differences", "weights", "none")
+SDP4BIT_KERNELS = ("xla", "pallas")        # pallas: pallas_kernels/quantize.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +125,27 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SDP4BitConfig:
+  """SDP4Bit's quantized data-parallel collectives (read by `mscale_jax/sdp4bit/`).
+
+  Defaults are the paper's: weight differences at 4 bits in groups of 2048; gradients at
+  8 bits inside a node ('fsdp') and 4 bits between nodes ('data'), in groups of 128, with a
+  Hadamard transform before the 4-bit level. `weights` picks what the parameter all-gather
+  quantizes: 'differences' (qWD), 'weights' (the ablation: the weights themselves) or 'none'
+  (exact); `gradients=False` reduces gradients exactly. Bits 16 send bfloat16, 32 float32.
+  """
+  weights: str = "differences"
+  weight_bits: int = 4
+  weight_group: int = 2048
+  gradients: bool = True
+  grad_bits_intra: int = 8
+  grad_bits_inter: int = 4
+  grad_group: int = 128
+  hadamard: bool = True
+  kernel: str = "xla"                # quantize/dequantize (+Hadamard) in XLA or fused Pallas
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
   """Optimizer, warmup + cosine schedule, clipping and weight decay (read by `optim.py`)."""
   name: str = "lamb"
@@ -132,6 +157,10 @@ class OptimizerConfig:
   eps: float = 1e-6
   weight_decay: float = 0.01         # not applied to norms and biases
   grad_clip: float | None = 1.0      # global-norm clipping; None disables
+  # How gradients and parameters cross the data-parallel axes: 'none' leaves the collectives
+  # to XLA (exact); 'sdp4bit' uses the quantized ones of the `sdp4bit` section.
+  dp_comm: str = "none"
+  sdp4bit: SDP4BitConfig = SDP4BitConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +314,7 @@ def validate(config: Config, num_devices: int, *,
     raise ConfigError("optimizer.weight_decay", o.weight_decay, "a number >= 0")
   if not 0.0 <= o.min_lr_ratio <= 1.0:
     raise ConfigError("optimizer.min_lr_ratio", o.min_lr_ratio, "a fraction in [0, 1]")
+  _check_dp_comm(o)
   _choice("data.kind", d.kind, DATA_KINDS)
   _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
   if d.kind == "tokens" and not d.path:
@@ -322,6 +352,12 @@ def validate(config: Config, num_devices: int, *,
   if t.global_batch % batch_shards:
     raise ConfigError("train.global_batch", t.global_batch,
                       f"must be divisible by mesh.data*mesh.fsdp={batch_shards}")
+  if o.dp_comm == "sdp4bit":
+    for axis in ("stage", "tensor"):
+      if mesh[axis] > 1:
+        raise ConfigError(f"mesh.{axis}", mesh[axis],
+                          "1 with optimizer.dp_comm='sdp4bit': its collectives run over the "
+                          "data-parallel axes (data, fsdp) only")
   microbatches = _check_pipeline(config, mesh)
   _check_document_mask(config, mesh)
   if m.tp_comm == "pallas":
@@ -335,6 +371,30 @@ def validate(config: Config, num_devices: int, *,
                         f"seq_len/tensor = {rows}) to be a multiple of {tile} in {m.dtype}; "
                         f"change the batch or seq_len, or use 'ppermute'")
   return mesh
+
+
+def _check_dp_comm(o: OptimizerConfig) -> None:
+  """optimizer.dp_comm and, when it is 'sdp4bit', its bit widths and group sizes."""
+  _choice("optimizer.dp_comm", o.dp_comm, DP_COMMS)
+  if o.dp_comm != "sdp4bit":
+    return
+  q = o.sdp4bit
+  _choice("optimizer.sdp4bit.weights", q.weights, SDP4BIT_WEIGHTS)
+  _choice("optimizer.sdp4bit.kernel", q.kernel, SDP4BIT_KERNELS)
+  for field in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
+    if getattr(q, field) not in SDP4BIT_BITS or isinstance(getattr(q, field), bool):
+      raise ConfigError(f"optimizer.sdp4bit.{field}", getattr(q, field),
+                        f"one of {', '.join(map(str, SDP4BIT_BITS))} (2-8: integer codes, "
+                        f"16: bfloat16, 32: unquantized)")
+  for field in ("weight_group", "grad_group"):
+    size = getattr(q, field)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 2 or size & (size - 1):
+      raise ConfigError(f"optimizer.sdp4bit.{field}", size,
+                        "a power of two >= 2 (values per quantization group and Hadamard "
+                        "block)")
+  for field in ("gradients", "hadamard"):
+    if not isinstance(getattr(q, field), bool):
+      raise ConfigError(f"optimizer.sdp4bit.{field}", getattr(q, field), "True or False")
 
 
 def _check_pipeline(config: Config, mesh: dict[str, int]) -> int:

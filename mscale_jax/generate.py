@@ -80,6 +80,8 @@ def restore_params(checkpoint_dir: str, step: int | None = None, devices=None):
     tx = optim.make_optimizer(config.optimizer, meta["train_steps"])
     abstract_state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params,
                       "opt_state": jax.eval_shape(tx.init, abstract_params)}
+    if checkpointer.dp_comm(step) == "sdp4bit":     # SDP4Bit's reference weights: dropped
+      abstract_state["reference"] = abstract_params
     mesh = one_device_mesh(devices)
     replicated = mesh_lib.named_sharding(mesh, ())
     target = abstract_like(abstract_state, jax.tree.map(lambda _: replicated, abstract_state))

@@ -64,8 +64,27 @@ def named_sharding(mesh: Mesh, names: Sequence[str | None] | None) -> NamedShard
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-  """Asks XLA to lay `x` out as its logical `names` say (inside jit, under `jax.set_mesh`)."""
-  return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
+  """Asks XLA to lay `x` out as its logical `names` say (inside jit, under `jax.set_mesh`).
+
+  Inside `jax.shard_map` the manual axes are left out of the layout: there each device
+  already holds its own block along them (e.g. SDP4Bit's data-parallel region).
+  """
+  spec = P(*map(auto_axes, logical_to_spec(names)))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def auto_axes(axes):
+  """A PartitionSpec entry (e.g. BATCH_AXES) without the axes that are manual here: inside
+  `jax.shard_map` a nested per-device region names only the axes still left to it."""
+  return without_axes(axes, jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def without_axes(axes, dropped):
+  """A PartitionSpec entry with the `dropped` mesh axes removed (None when none are left)."""
+  if axes is None:
+    return None
+  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in dropped)
+  return kept[0] if len(kept) == 1 else (kept or None)
 
 
 def logical_names(abstract_state):

@@ -35,6 +35,7 @@ from mscale_jax.checkpoint import Checkpointer, abstract_like
 from mscale_jax.config import Config, validate
 from mscale_jax.model import GPT, abstract_model, count_params
 from mscale_jax.parallel import pipeline
+from mscale_jax.sdp4bit.data_parallel import DataParallel
 
 log = logging.getLogger("mscale_jax")
 
@@ -112,6 +113,12 @@ class Trainer:
                                            param_shardings,
                                            transform_non_params=lambda _: replicated),
     }
+    # SDP4Bit: quantized data-parallel collectives and the reference weights they need.
+    self.data_parallel = None
+    if config.optimizer.dp_comm == "sdp4bit":
+      self.data_parallel = DataParallel(config.optimizer.sdp4bit, names)
+      self.state_shardings["reference"] = self.data_parallel.reference_shardings(
+          param_shardings)
     self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
     # Each process loads only the rows its devices hold: the loader's process index/count are
     # this process's position among the batch shards (exactly 1 process x N devices' order).
@@ -131,10 +138,12 @@ class Trainer:
     if self.resume_step is not None:
       self.checkpointer.check_compatible(self.resume_step, config)
       self.train_iter.set_state(self.checkpointer.restore_data_state(self.resume_step))
-    gradients = step_lib.make_gradients(self.graphdef, config.pipeline, self.layer_layout)
+    gradients = step_lib.make_gradients(self.graphdef, config.pipeline, self.layer_layout,
+                                        self.data_parallel)
+    gather = {} if self.data_parallel is None else {"gather": self.data_parallel.gather}
     self._train_step = jax.jit(
         functools.partial(step_lib.train_step, gradients=gradients, tx=self.tx,
-                          schedule=self.schedule),
+                          schedule=self.schedule, **gather),
         donate_argnums=0, out_shardings=(self.state_shardings, None))
     self._eval_loss = jax.jit(lambda params, batch: step_lib.loss_fn(
         self._natural_order(params), self.graphdef, batch))
@@ -154,8 +163,11 @@ class Trainer:
     with nnx.use_eager_sharding(False):
       model = GPT(self.config.model, rngs=nnx.Rngs(self.config.train.seed))
     params = self._pipeline_order(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    return {"step": jnp.zeros((), jnp.int32), "params": params,
-            "opt_state": self.tx.init(params)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params,
+             "opt_state": self.tx.init(params)}
+    if self.data_parallel is not None:
+      state["reference"] = params        # every rank starts from the exact weights
+    return state
 
   def init_state(self):
     """Fresh train state, created directly in its sharded layout."""
@@ -178,7 +190,20 @@ class Trainer:
     """Checkpoint `step` in this run's sharding and pipeline layer order."""
     with jax.set_mesh(self.mesh):
       target = abstract_like(jax.eval_shape(self._fresh_state), self.state_shardings)
+    saved_reference = self.checkpointer.dp_comm(step) == "sdp4bit"
+    if saved_reference and "reference" not in target:      # written with SDP4Bit: drop it
+      target["reference"] = target["params"]
+    elif not saved_reference:                               # written without: start exact
+      target.pop("reference", None)
     state = self.checkpointer.restore(step, target)
+    if self.data_parallel is None:
+      state.pop("reference", None)
+    elif not saved_reference:
+      with jax.set_mesh(self.mesh):
+        state["reference"] = jax.jit(lambda p: p, out_shardings=self.state_shardings[
+            "reference"])(state["params"])
+      log.info("checkpoint written with optimizer.dp_comm='none': SDP4Bit's reference "
+               "weights start as its parameters")
     saved_layout = self.checkpointer.layer_layout(step)
     if saved_layout != self.layer_layout:
       # Written by another pipeline layout: move the layers to this one's order.

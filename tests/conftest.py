@@ -29,11 +29,12 @@ import pytest  # noqa: E402
 
 # Test files that take longest (seconds of one worker in a full run), run first: with two
 # workers taking whole files in this order, neither is left alone with a long file at the end.
-SLOWEST_FIRST = ("test_multiprocess", "test_notebooks", "test_pipeline", "test_flash_attention",
-                 "test_model", "test_tp_comm", "test_collective_matmul", "test_lamb", "test_optim",
-                 "test_sample", "test_convergence", "test_observability", "test_kernel_wiring",
-                 "test_cli", "test_train", "test_generate", "test_layer_norm", "test_callbacks",
-                 "test_resilience", "test_layers", "test_standby")
+SLOWEST_FIRST = ("test_slurm", "test_multiprocess", "test_hostile_input", "test_notebooks",
+                 "test_pipeline", "test_flash_attention", "test_model", "test_tp_comm",
+                 "test_collective_matmul", "test_lamb", "test_optim", "test_sample",
+                 "test_convergence", "test_observability", "test_kernel_wiring", "test_cli",
+                 "test_train", "test_generate", "test_layer_norm", "test_callbacks",
+                 "test_resilience", "test_driver_policy", "test_layers", "test_standby")
 
 
 def pytest_collection_modifyitems(items):

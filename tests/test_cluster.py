@@ -1,9 +1,12 @@
 """Cluster job files from the launcher's flags, and the driver's watch mode (no JAX needed)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
+
+import yaml
 
 from mscale_jax.resilience import events
 from mscale_jax.resilience.driver.supervisor import Driver, DriverOptions, free_port
@@ -15,13 +18,13 @@ FLAGS = ["--num_processes=4", "--devices_per_process=8", "--coordinator_port=123
 TRAIN = ["--", "--config.mesh.data=-1", "--config.train.steps=50"]
 
 
-def emit(kind, workdir):
+def emit(kind, workdir, *extra, status=0, train_extra=()):
   env = dict(os.environ, PYTHONPATH=REPO)
   result = subprocess.run([sys.executable, "-m", "experiments.launch", f"--emit={kind}",
-                           f"--workdir={workdir}", *FLAGS, *TRAIN], cwd=REPO, env=env,
+                           f"--workdir={workdir}", *FLAGS, *extra, *TRAIN, *train_extra], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode == 0, result.stderr[-2000:]
-  return result.stdout.strip().split()[-1]
+  assert result.returncode == status, result.stderr[-2000:]
+  return result.stdout.strip().splitlines()[0].split()[-1] if status == 0 else result.stderr
 
 
 def test_slurm_script(tmp_path):
@@ -29,55 +32,113 @@ def test_slurm_script(tmp_path):
   assert path == str(tmp_path / "gpt-tiny.slurm")
   assert subprocess.run(["bash", "-n", path]).returncode == 0   # it parses
   text = open(path).read()
-  for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+  for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks=4", "#SBATCH --ntasks-per-node=1",
+               "#SBATCH --gpus-per-node=8", f"#SBATCH --output={tmp_path}/slurm-%j.log",
                "export MSCALE_COORDINATOR=auto", "export JAX_COORDINATOR_PORT=1234",
-               ":8470/heartbeat", "seq 0 3", "srun --ntasks=4"):
+               ":8470/heartbeat", "export MSCALE_HEARTBEAT_TOKEN=", "seq 0 3",
+               "--ntasks=4 --ntasks-per-node=1", "scancel $ids", "[job] restart budget (3) spent"):
     assert line in text, line
+  assert "kill -KILL" not in text   # a signal to srun does not reach other nodes' tasks
   worker = [l for l in text.splitlines() if "experiments.train" in l][0]
   assert worker.split("experiments.train")[1].rstrip(" &").split() == [
       "--config.mesh.data=-1", "--config.train.steps=50", f"--workdir={tmp_path}"]
+  assert f"{sys.executable} -m experiments.train" in worker   # the emitting interpreter
   driver = [l for l in text.splitlines() if "--watch" in l][0]
   assert "--num_processes=4" in driver and "--heartbeat_port=8470" in driver
   assert "kill:rank=2:step=9" in text
 
 
+def test_slurm_script_on_cpus_packs_tasks_per_node(tmp_path):
+  text = open(emit("slurm", tmp_path, "--tasks_per_node=2", "--nocluster_gpus")).read()
+  assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=2" in text
+  assert "--gpus-per-node" not in text
+  assert "export JAX_PLATFORMS=cpu" in text
+  assert "export XLA_FLAGS=--xla_force_host_platform_device_count=8" in text
+
+
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def test_kubernetes_jobset(tmp_path):
-  manifest = json.load(open(emit("kubernetes", tmp_path)))
+  """Every field a JobSet controller (jobset.x-k8s.io/v1alpha2) and the Job and Pod specs under
+  it need, and what makes it run: shared storage, working directory, coordinator, restarts."""
+  text = open(emit("kubernetes", tmp_path, "--pvc=ckpts", "--image=reg/mscale:1")).read()
+  manifest = yaml.safe_load(text)   # JSON is YAML: what kubectl apply -f reads
+  assert manifest == json.loads(text)
   assert (manifest["apiVersion"], manifest["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
-  assert manifest["spec"]["failurePolicy"]["maxRestarts"] == 3
-  jobs = {j["name"]: j["template"]["spec"] for j in manifest["spec"]["replicatedJobs"]}
-  workers, driver = jobs["workers"], jobs["driver"]
-  assert workers["parallelism"] == workers["completions"] == 4
-  assert workers["completionMode"] == "Indexed"
-  (container,) = workers["template"]["spec"]["containers"]
-  assert container["command"][:3] == ["python", "-m", "experiments.train"]
-  assert container["command"][3:] == ["--config.mesh.data=-1", "--config.train.steps=50",
-                                      f"--workdir={tmp_path}"]
-  assert container["ports"] == [{"containerPort": 1234, "name": "coordinator"}]
-  assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
-  env = {e["name"]: e for e in container["env"]}
+  name = manifest["metadata"]["name"]
+  assert name == "gpt-tiny" and DNS_LABEL.fullmatch(name)
+  spec = manifest["spec"]
+  assert spec["network"] == {"enableDNSHostnames": True, "subdomain": name}
+  assert spec["failurePolicy"] == {"maxRestarts": 3}
+  jobs = {j["name"]: j for j in spec["replicatedJobs"]}
+  assert set(jobs) == {"driver", "workers"} and all(j["replicas"] == 1 for j in jobs.values())
+  assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["workers"]}
+  workdir = f"/mnt/mscale/{tmp_path.name}"
+  containers = {}
+  for job_name, count in (("driver", 1), ("workers", 4)):
+    job_spec = jobs[job_name]["template"]["spec"]
+    assert job_spec["parallelism"] == job_spec["completions"] == count
+    assert job_spec["completionMode"] == "Indexed"
+    assert job_spec["backoffLimit"] == 0   # a failed pod fails the Job: the set restarts
+    pod = job_spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["volumes"] == [{"name": "workdir", "persistentVolumeClaim": {"claimName": "ckpts"}}]
+    (container,) = pod["containers"]
+    containers[job_name] = container
+    assert DNS_LABEL.fullmatch(container["name"]) and container["image"] == "reg/mscale:1"
+    assert container["workingDir"] == "/workspace/mscale-jax"
+    assert container["volumeMounts"] == [{"name": "workdir", "mountPath": "/mnt/mscale"}]
+    assert all(ENV_NAME.fullmatch(e["name"]) for e in container["env"])
+    assert all(len(p["name"]) <= 15 and DNS_LABEL.fullmatch(p["name"])
+               for p in container["ports"])
+    assert f"--workdir={workdir}" in container["command"]   # on the claim, not this machine
+    assert str(tmp_path) not in json.dumps(container)
+    assert len(f"{name}-{job_name}-0-{count - 1}") <= 63   # pod host names
+  worker, watcher = containers["workers"], containers["driver"]
+  assert worker["command"][:3] == ["python", "-m", "experiments.train"]
+  assert worker["command"][3:] == ["--config.mesh.data=-1", "--config.train.steps=50",
+                                   f"--workdir={workdir}"]
+  assert worker["ports"] == [{"containerPort": 1234, "name": "coordinator"}]
+  assert worker["resources"]["limits"]["nvidia.com/gpu"] == 8
+  env = {e["name"]: e for e in worker["env"]}
   assert env["MSCALE_NUM_PROCESSES"]["value"] == "4"
+  # Worker 0's host name under the JobSet's headless service (named after its subdomain).
   assert env["MSCALE_COORDINATOR"]["value"] == "gpt-tiny-workers-0-0.gpt-tiny:1234"
-  assert env["MSCALE_HEARTBEAT_URL"]["value"].endswith(":8470/heartbeat")
+  assert env["MSCALE_HEARTBEAT_URL"]["value"] == \
+      "http://gpt-tiny-driver-0-0.gpt-tiny:8470/heartbeat"
   assert "job-completion-index" in env["MSCALE_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
-  (watcher,) = driver["template"]["spec"]["containers"]
+  assert env["MSCALE_COMPILE_CACHE"]["value"] == f"{workdir}/resilience/compile_cache"
+  token = {"secretKeyRef": {"name": "gpt-tiny-heartbeat", "key": "token"}}
+  assert env["MSCALE_HEARTBEAT_TOKEN"]["valueFrom"] == token
   assert "--watch" in watcher["command"] and "--num_processes=4" in watcher["command"]
   # Driver and workers read the same restart attempt (Kubernetes expands $(VAR) in commands).
   assert "--attempt=$(MSCALE_ATTEMPT)" in watcher["command"]
-  assert watcher["env"] == [env["MSCALE_ATTEMPT"]]
+  assert watcher["env"] == [env["MSCALE_ATTEMPT"], env["MSCALE_HEARTBEAT_TOKEN"]]
   assert watcher["ports"][0]["containerPort"] == 8470
+
+
+def test_kubernetes_without_a_claim_or_with_a_bad_name_is_one_line_and_exit_2(tmp_path):
+  error = emit("kubernetes", tmp_path, status=2)
+  assert error.strip().splitlines() == [error.strip()] and "--pvc" in error
+  error = emit("kubernetes", tmp_path, "--pvc=c", status=2, train_extra=["--config.name=GPT_Big"])
+  assert "config.name (the job name)='GPT-Big'" in error and "63 characters" in error
+  assert not os.listdir(tmp_path)   # nothing written
 
 
 def _watch(tmp_path, attempt, worker_script):
   port = free_port()
   options = DriverOptions(worker_command=[], workdir=str(tmp_path), num_processes=2,
-                          heartbeat_port=port, hang_timeout_s=30, poll_s=0.05)
+                          heartbeat_port=port, hang_timeout_s=30, poll_s=0.05,
+                          heartbeat_token="job-secret")
   url = f"http://127.0.0.1:{port}/heartbeat"
   result = {}
   watcher = threading.Thread(target=lambda: result.update(
       report=Driver(options, out=open(os.devnull, "w")).watch(attempt)))
   watcher.start()
-  hooks = [HeartbeatClient(rank=r, heartbeat_url=url, interval_s=60, attempt=attempt)
+  hooks = [HeartbeatClient(rank=r, heartbeat_url=url, interval_s=60, attempt=attempt,
+                           token="job-secret")
            for r in range(2)]
   while watcher.is_alive() and not result:   # posts until the watcher has decided
     worker_script(hooks)

@@ -1,4 +1,5 @@
 """experiments/convergence.py: variants at equal tokens, and a tiny --quick run end to end."""
+import dataclasses
 import json
 import math
 import os
@@ -86,3 +87,22 @@ def test_quick_run_writes_record_plots_and_table(tmp_path):
   table = (out / "convergence.md").read_text()
   assert "PTB + sliding window" in table and "LAMB @ 4B" in table
   assert (tmp_path / "runs" / "ptb_swa" / "seed1" / "checkpoints" / "8").is_dir()
+
+
+def test_sdp4bit_variants_switch_only_the_data_parallel_collectives():
+  from experiments.convergence import FIGURES, SDP4BIT_MESH, variant_config
+  from mscale_jax.config import validate
+  settings = _settings()
+  base, *variants = [variant_config(settings, v, seed=1) for v in FIGURES["sdp4bit"]]
+  assert base.optimizer.dp_comm == "none"
+  assert {a: getattr(base.mesh, a) for a in SDP4BIT_MESH} == SDP4BIT_MESH
+  q = {v.name: c.optimizer for v, c in zip(FIGURES["sdp4bit"][1:], variants)}
+  assert (q["qwd"].sdp4bit.weights, q["qwd"].sdp4bit.gradients) == ("differences", False)
+  assert (q["tlq_hs"].sdp4bit.weights, q["tlq_hs"].sdp4bit.gradients) == ("none", True)
+  assert (q["weights_4bit"].sdp4bit.weights, q["weights_4bit"].sdp4bit.weight_bits) == \
+      ("weights", 4)
+  for config in variants:
+    assert config.optimizer.dp_comm == "sdp4bit"
+    plain = config.replace(optimizer={"dp_comm": "none", "sdp4bit": base.optimizer.sdp4bit})
+    assert plain == dataclasses.replace(base, name=config.name)
+    validate(config, 8)

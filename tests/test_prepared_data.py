@@ -141,6 +141,7 @@ def test_document_mask_needs_documents_and_an_attention_that_takes_segments(tiny
     assert raised.value.field == field
 
 
+@pytest.mark.slow   # a whole trainer run or two: the full suite, not the fast tier
 def test_resume_on_prepared_data_is_exact(labelled, tiny_config, tmp_path):
   """6 steps straight == 3 steps, a restart, 3 more: same bits and the same data position;
   the run records its tokenizer and manifest, and sampling reads text with them."""

@@ -156,6 +156,7 @@ def _policy_config(tiny_config, policy):
                                 checkpoint_every=4, on_nonfinite=policy))
 
 
+@pytest.mark.slow   # a whole trainer run or two: the full suite, not the fast tier
 def test_nonfinite_stop_then_resume_logs_each_step_once(tiny_config, tmp_path):
   from mscale_jax.errors import NonFiniteError
   config = _policy_config(tiny_config, "stop")

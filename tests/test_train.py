@@ -19,6 +19,7 @@ def metrics_of(workdir):
     return {r["step"]: r for r in map(json.loads, f)}
 
 
+@pytest.mark.slow   # a whole trainer run or two: the full suite, not the fast tier
 def test_exact_resume_is_bitwise(tiny_config, tmp_path):
   """20 steps straight == 10 steps, a fresh process-like restart, 10 more: same bits, same data."""
   config = tiny_config(train=dict(steps=20, global_batch=4, log_every=5, eval_every=20,
@@ -63,6 +64,7 @@ def test_restore_into_a_different_mesh(tiny_config, tmp_path):
     np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow   # a whole trainer run or two: the full suite, not the fast tier
 def test_resuming_with_another_optimizer_is_a_config_error(tiny_config, tmp_path):
   Trainer(tiny_config(train=dict(steps=3)), tmp_path, show_progress=False).train()
   with pytest.raises(ConfigError, match="optimizer.name='adamw'.*holds 'lamb' state"):
@@ -111,6 +113,7 @@ print(json.dumps({"loaded_before": loaded, "unarmed_same": unarmed == plain,
 """
 
 
+@pytest.mark.slow   # a whole trainer run or two: the full suite, not the fast tier
 def test_the_fault_machinery_leaves_the_compiled_step_alone(tiny_config, tmp_path):
   """The train step lowers to the same program text without the fault machinery imported,
   with it loaded but unarmed, and in a run where a `nan` fault poisons step 2 (a fresh process,

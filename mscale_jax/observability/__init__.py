@@ -9,6 +9,8 @@ heat-map, the profiler window, straggler detection and hang localisation.
   profiler.py   `train.profile_steps`: a jax.profiler trace of a window of steps
   straggler.py  the straggler detector (per-rank metrics against the others', continuity)
   hang.py       stack dumps on a signal, and naming the rank that is not where the others are
+  minder/       Minder (NSDI'25): per-metric LSTM-VAE embeddings, similarity across machines,
+                continuity and a learned metric priority (the faulty-machine detector)
   observer.py   the driver's eyes: feeds heartbeats to the detectors, localises hangs, status
 
 Workers use phases, timeline, profiler and the stack dump of hang.py; the driver uses the

@@ -21,6 +21,7 @@ from mscale_jax.observability import timeline as timeline_lib
 from mscale_jax.resilience import events
 
 POLICIES = ("warn", "evict")
+DETECTORS = ("threshold", "minder")
 
 
 class Observer:
@@ -36,13 +37,24 @@ class Observer:
       the worker's heartbeat thread, beside its training threads; where workers share cores
       (this 2-core machine) it measures that contention, not the host, and flagged a healthy
       rank in a drill, so it is off unless asked for.
+    detector: 'threshold' (straggler.py on each step's phase seconds) or 'minder' (Minder on the
+      workers' per-second monitoring samples, minder/watch.py; needs 3 or more ranks, and
+      trains on the job's first `minder_fit_s` seconds before it flags anything).
   """
 
   def __init__(self, workdir: str, say, *, policy: str = "warn", threshold: float = 0.1,
                window: int = 10, status_every_s: float = 30.0, tokens_per_step: int = 0,
-               host_probes: bool = False):
+               host_probes: bool = False, detector: str = "threshold",
+               minder_fit_s: int = 120):
     self.workdir, self.say, self.policy = workdir, say, policy
     self.host_probes = host_probes
+    if detector not in DETECTORS:
+      raise ValueError(f"detector {detector!r}: expected one of {DETECTORS}")
+    self.detector = detector
+    self._watch = None
+    if detector == "minder":
+      from mscale_jax.observability.minder.watch import MinderWatch
+      self._watch = MinderWatch(fit_s=minder_fit_s, say=say)
     self.threshold, self.window = threshold, window
     self.status_every_s, self.tokens_per_step = status_every_s, tokens_per_step
     self.state_dir = os.path.join(workdir, "resilience")
@@ -72,6 +84,8 @@ class Observer:
     self._inbox.clear()
     self._close_writers()
     self._purge_step = restore_step + 1 if restore_step else None
+    if self._watch is not None:
+      self._watch.reset()
 
   def receive(self, beat: events.Heartbeat, received: float) -> None:
     """Every heartbeat as it arrives (the server's thread): queued for `observe`."""
@@ -96,6 +110,8 @@ class Observer:
       if self.host_probes and beat.host_metrics and beat.phase == events.TRAINING:
         self._probes[beat.rank].append(beat.host_metrics)
         new_flags += self._host_update()
+      if self._watch is not None and beat.phase == events.TRAINING:
+        self._watch.add(beat.rank, beat.monitor)
     # Ranks still running (in the driver's watch mode, with no processes of its own: those
     # that reported).
     live = [r for r, p in enumerate(group.procs) if p.poll() is None] if group.procs \
@@ -103,7 +119,11 @@ class Observer:
     for step, own, totals, step_time in self._table.ready(live):
       self._step_time.append(step_time)
       self._tensorboard(step, own, totals)
-      new_flags += self._steps.update(step, own, step_time)
+      flags_ = self._steps.update(step, own, step_time)
+      if self._watch is None:
+        new_flags += flags_
+    if self._watch is not None:
+      new_flags += self._watch.update(live)
     for flag in new_flags:
       self._report_flag(flag)
     if self.status_every_s and now - self._last_status >= self.status_every_s:
@@ -111,7 +131,9 @@ class Observer:
       self.status(now)
     if self.policy == "evict" and new_flags:
       flag = new_flags[0]
-      return events.Failure(events.STRAGGLER, flag.rank, flag.describe(), step=flag.at)
+      latest = self._latest.get(flag.rank)
+      step = flag.at if self._watch is None else (latest.step if latest else None)
+      return events.Failure(events.STRAGGLER, flag.rank, flag.describe(), step=step)
     return None
 
   def _host_update(self) -> list:

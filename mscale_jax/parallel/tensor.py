@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from mscale_jax.mesh import BATCH_AXES
+from mscale_jax.mesh import BATCH_AXES, auto_axes
 from pallas_kernels import collective_matmul
 
 AXIS = "tensor"
@@ -56,9 +56,9 @@ def gather_matmul(x: jax.Array, kernels: Sequence[jax.Array], *,
     y = y.reshape(tp, b, s, -1).transpose(1, 0, 2, 3).reshape(b, tp * s, -1)
     return _split_columns(y, widths)
 
-  n = len(kernels)
-  return jax.shard_map(local, in_specs=(P(BATCH_AXES, AXIS, None),) + (P(None, AXIS),) * n,
-                       out_specs=[P(BATCH_AXES, None, AXIS)] * n)(x, *kernels)
+  n, batch = len(kernels), auto_axes(BATCH_AXES)
+  return jax.shard_map(local, in_specs=(P(batch, AXIS, None),) + (P(None, AXIS),) * n,
+                       out_specs=[P(batch, None, AXIS)] * n)(x, *kernels)
 
 
 def matmul_scatter(xs: Sequence[jax.Array], kernels: Sequence[jax.Array], *,
@@ -83,6 +83,6 @@ def matmul_scatter(xs: Sequence[jax.Array], kernels: Sequence[jax.Array], *,
     y = collective_matmul.matmul_reduce_scatter(rows, w, axis_name=AXIS, impl=tp_comm)
     return y.reshape(b, s // tp, -1)
 
-  n = len(xs)
-  return jax.shard_map(local, in_specs=(P(BATCH_AXES, None, AXIS),) * n + (P(AXIS, None),) * n,
-                       out_specs=P(BATCH_AXES, AXIS, None))(*xs, *kernels)
+  n, batch = len(xs), auto_axes(BATCH_AXES)
+  return jax.shard_map(local, in_specs=(P(batch, None, AXIS),) * n + (P(AXIS, None),) * n,
+                       out_specs=P(batch, AXIS, None))(*xs, *kernels)

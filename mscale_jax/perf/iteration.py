@@ -12,7 +12,7 @@ import dataclasses
 from mscale_jax.errors import ConfigError
 from mscale_jax.flops import megatron_flops_per_token, mfu
 from mscale_jax.parallel import schedule
-from mscale_jax.perf import comm, compute, layer, scale
+from mscale_jax.perf import comm, compressed, compute, layer, scale
 from mscale_jax.perf.constants import DEFAULT, Constants
 from mscale_jax.perf.hardware import Hardware
 from mscale_jax.perf.memory import RECOMPUTES, Memory, memory_per_device, params_per_device
@@ -76,9 +76,13 @@ def bubble_time(layout: Layout, stage_s: float, hop_s: float, pp_overlap: bool) 
   return bubble
 
 
-def dp_times(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants) -> tuple:
-  """(reduce-scatter of gradients, all-gather of parameters) seconds for one device's stage."""
+def dp_times(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants,
+             compression=None) -> tuple:
+  """(reduce-scatter of gradients, all-gather of parameters) seconds for one device's stage
+  (SDP4Bit's quantized collectives with `compression`, see `compressed.py`)."""
   n = params_per_device(model, layout)
+  if compression is not None:
+    return compressed.dp_times_two_level(n, layout.dp, layout.tp, compression, hw, c)
   link = comm.group_link(hw, layout.dp, layout.tp, c)
   return (comm.reduce_scatter_time(n * c.grad_reduce_bytes, layout.dp, link),
           comm.all_gather_time(n * c.param_bytes, layout.dp, link))
@@ -139,7 +143,7 @@ def _predict_with(model, layout, tech, recompute, hw, c, dtype, memory):
   host_iter = 0.0 if tech.async_data else c.host_per_iteration_s
   data = host_iter + (0.0 if tech.async_data else m * c.host_per_micro_batch_s)
 
-  rs, ag = dp_times(model, layout, hw, c)
+  rs, ag = dp_times(model, layout, hw, c, tech.dp_compression)
   # Collectives go by model chunk (by layer without interleaving). A chunk's window is the
   # ticks of its neighbour chunk for one micro-batch group: pp micro-batches when
   # interleaved (Megatron-LM's groups), one without; a forward is a third of a tick pair.

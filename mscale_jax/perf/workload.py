@@ -80,6 +80,8 @@ class Techniques:
   efficient_ops: bool = False    # flash attention, fused LayerNorm/GeLU
   async_data: bool = False       # 'misc': async data loading, no host stalls per iteration
   lamb: bool = False
+  # Two-level DP collectives (`compressed.DPCompression`: SDP4Bit or uncompressed); None: rings.
+  dp_compression: object | None = None
 
 
 def validate(model: ModelSpec, layout: Layout, devices: int | None = None) -> None:

@@ -32,6 +32,9 @@ FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER, SELF_
 EXIT_NONFINITE = 3
 EXIT_SELF_CHECK_FAILED = 4
 
+# The largest heartbeat the driver accepts (JSON bytes); the client trims its log tail to fit.
+MAX_HEARTBEAT_BYTES = 64 * 1024
+
 # Log lines that mean a worker is beyond saving even if its process still lives.
 FATAL_LOG_PATTERNS = tuple(re.compile(p) for p in (
     r"Fatal Python error",
@@ -82,6 +85,8 @@ class Heartbeat:
   step_phases: list = dataclasses.field(default_factory=list)
   where: list | None = None
   host_metrics: dict[str, float] | None = None
+  # Per-second monitoring samples since the previous heartbeat (worker/monitor.py, for Minder).
+  monitor: list = dataclasses.field(default_factory=list)
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

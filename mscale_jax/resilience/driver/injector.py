@@ -47,7 +47,10 @@ class OsInjector:
     self._undo: list[tuple[float | None, object]] = []   # (when, how), None: at detection
 
   def poll(self, procs, step: int, now: float | None = None) -> None:
-    """Fires every fault due at group step `step`; `procs` are the workers (rank order)."""
+    """Fires every fault due at group step `step`; `procs` are the workers (rank order; none in
+    watch mode, where the scheduler started them: nothing to act on)."""
+    if not procs:
+      return
     now = time.time() if now is None else now
     for when, undo in list(self._undo):
       if when is not None and now >= when:

@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -37,7 +38,7 @@ from mscale_jax.resilience.driver import claim
 from mscale_jax.resilience.driver.claim import (blamed_task, fired_since, latest_checkpoint,
                                                  log_tail)
 from mscale_jax.resilience.driver.injector import OsInjector
-from mscale_jax.resilience.driver.server import HeartbeatServer
+from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
 from mscale_jax.resilience.faults import WORKER, Fault
 
@@ -53,6 +54,7 @@ class DriverOptions:
   coordinator_host: str = "127.0.0.1"
   coordinator_port: int = 0           # 0: a free port for each (re)start
   heartbeat_port: int = 0             # the driver's HTTP endpoint; 0: any free port
+  heartbeat_token: str = ""           # the job's secret for that endpoint; "": a new one
   heartbeat_s: float = 2.0
   hang_timeout_s: float = 60.0
   hang_step_factor: float = 20.0
@@ -74,6 +76,10 @@ class DriverOptions:
   status_every_s: float = 30.0
   tokens_per_step: int = 0
   straggler_host_probes: bool = False
+  # 'threshold' (step phases, straggler.py) or 'minder' (per-second monitoring samples; Minder
+  # trains on the job's first `minder_fit_s` seconds), observer.DETECTORS.
+  straggler_detector: str = "threshold"
+  minder_fit_s: int = 120
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -113,13 +119,17 @@ class Driver:
     self.failures: list[dict] = []
     self.attempts: list[dict] = []
     self._group: _Group | None = None
+    self.injector = OsInjector(options.faults, self.state_dir, self.say)
     self._step_times: list[float] = []
+    self.token = options.heartbeat_token or secrets.token_urlsafe(32)
     self.observer = Observer(self.workdir, self.say, policy=options.straggler_policy,
                              threshold=options.straggler_threshold,
                              window=options.straggler_window,
                              status_every_s=options.status_every_s,
                              tokens_per_step=options.tokens_per_step,
-                             host_probes=options.straggler_host_probes)
+                             host_probes=options.straggler_host_probes,
+                             detector=options.straggler_detector,
+                             minder_fit_s=options.minder_fit_s)
 
   def say(self, message: str) -> None:
     print(f"[driver] {message}", file=self.out, flush=True)
@@ -129,9 +139,7 @@ class Driver:
   def run(self) -> dict:
     """Runs the job to completion or until it cannot go on; returns (and writes) the report."""
     os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
-    self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port)
-    self.server.listeners.append(self.observer.receive)
-    self.injector = OsInjector(self.o.faults, self.state_dir, self.say)
+    self._serve_heartbeats()
     start, attempt0 = self._resume()
     warm = self.o.standby and self.o.max_restarts > 0
     self.pool = StandbyPool(self.o.worker_command, self.o.num_processes if warm else 0,
@@ -148,7 +156,7 @@ class Driver:
         group = self._start(attempt, active)
         failure = self._supervise(group)
         if failure is not None and failure.kind == events.HANG:
-          self.observer.localize_hang(failure)   # before the group is killed
+          self._blame_hang(failure)   # before the group is killed
         if failure is not None and failure.kind == events.STRAGGLER:
           self.excluded[active[failure.rank]] = failure.detail   # policy 'evict'
         self._stop(group)
@@ -194,8 +202,7 @@ class Driver:
     return report
 
   def _resume(self) -> tuple[float, int]:
-    """(job start time, first attempt): a new job's, or, after a driver that died, the job's
-    so far, once the workers that driver left running are ended (claim.py)."""
+    """(job start, first attempt): a new job's, or that of a job whose driver died (claim.py)."""
     self._restarts = 0
     previous = claim.read(self.state_dir)
     if previous is None or previous.get("outcome") is not None:
@@ -211,8 +218,7 @@ class Driver:
     record, attempt = claim.lost_driver(previous, ended, self.workdir)
     self.failures.append(record)
     self.attempts.append(attempt)
-    self.say(f"resuming the job in {self.workdir} after its driver died (ended {len(ended)} "
-             f"leftover workers); restarting from step {record['restore_step']}")
+    self.say(f"resuming: {record['detail']}; from step {record['restore_step']}")
     return self._started, len(self.attempts)
 
   def _claim(self, procs, outcome: str | None = None) -> None:
@@ -230,11 +236,10 @@ class Driver:
     'done', or at the first failure detected: the job script then ends the worker step and
     starts the next attempt (cluster.py).
     """
-    os.makedirs(self.state_dir, exist_ok=True)
-    self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port)
+    self._serve_heartbeats()
+    self.server.clear(self.o.num_processes)
     self.say(f"watching {self.o.num_processes} workers (attempt {attempt}) at {self.server.url}")
     group = _Group(attempt, list(range(self.o.num_processes)))
-    self.server.listeners.append(self.observer.receive)
     self.observer.start_group(group)
     start, outcome = time.time(), "failed"
     try:
@@ -257,10 +262,17 @@ class Driver:
                           "failure": self.failures[-1]["kind"] if self.failures else None})
     return self._report(outcome, time.time() - start, f"report-attempt{attempt}.json")
 
+  def _serve_heartbeats(self) -> None:
+    """Starts the heartbeat endpoint; its token goes to WORKDIR/resilience/heartbeat_token."""
+    save_token(self.token, os.path.join(self.state_dir, "heartbeat_token"))
+    self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port,
+                                  token=self.token, say=self.say)
+    self.server.listeners.append(self.observer.receive)
+
   def _start(self, attempt: int, slots: list[int]) -> _Group:
     o = self.o
     group = self._group = _Group(attempt, slots)
-    self.server.clear()
+    self.server.clear(len(slots))
     self.observer.start_group(group, latest_checkpoint(self.workdir))
     port = o.coordinator_port or free_port(o.coordinator_host)
     command = list(o.worker_command) + [f"--workdir={self.workdir}"]
@@ -298,6 +310,7 @@ class Driver:
            "MSCALE_NUM_PROCESSES": str(count), "MSCALE_PROCESS_ID": str(rank),
            "MSCALE_HEARTBEAT_S": str(o.heartbeat_s), "MSCALE_ATTEMPT": str(attempt),
            "MSCALE_SLOT": str(slot), "MSCALE_HEARTBEAT_URL": self.server.url,
+           "MSCALE_HEARTBEAT_TOKEN": self.token,
            "MSCALE_FAULTS": json.dumps([f.spec for f in o.faults if f.injected_by == WORKER]),
            "MSCALE_SELF_CHECK": "1" if o.self_check and attempt > 0 else "0",
            "MSCALE_BAD_SLOT": str(min([f.step for f in o.faults
@@ -306,6 +319,16 @@ class Driver:
       env["MSCALE_COMPILE_CACHE"] = o.compile_cache_dir or os.path.join(self.state_dir,
                                                                         "compile_cache")
     return env
+
+  def _blame_hang(self, failure: events.Failure) -> None:
+    """Localises a declared hang (observer: stack dumps, loop phases, mesh coordinates) and
+    files it on the rank the localiser names, rather than on the rank that advanced least
+    recently (in a collective every rank waits: who reported last is chance)."""
+    found = self.observer.localize_hang(failure)
+    odd = (found or {}).get("odd_ranks") or []
+    if odd and failure.rank not in odd:
+      failure.detail += f" (first seen on rank {failure.rank}; localised to rank(s) {odd})"
+      failure.rank = odd[0]
 
   def _stop(self, group: _Group) -> None:
     """Kills every process of the group (and anything it started), then reaps them."""
@@ -333,8 +356,7 @@ class Driver:
              if b.attempt == group.attempt}
     # A killed worker comes first: its peers' errors (a collective that lost its peer) follow
     # from it; then what workers said about themselves; then other exits.
-    if hasattr(self, "injector"):
-      self.injector.poll(group.procs, max((b.step for b, _ in beats.values()), default=0))
+    self.injector.poll(group.procs, max((b.step for b, _ in beats.values()), default=0))
     codes = [p.poll() for p in group.procs]
     for rank, code in enumerate(codes):
       if code is not None and code < 0:
@@ -417,8 +439,7 @@ class Driver:
   # -- after a failure -------------------------------------------------------------------
 
   def _record(self, failure: events.Failure, group: _Group) -> dict:
-    if hasattr(self, "injector"):
-      self.injector.failure_detected()
+    self.injector.failure_detected()
     fired = fired_since(self.state_dir, group.started)
     if fired:
       failure.happened_at = fired["time"]
@@ -487,6 +508,7 @@ class Driver:
               # time (iteration time: the median step time heartbeats reported).
               "effective_training_time_rate": steps * step_time / wall_s if step_time else None,
               "failures": self.failures, "excluded_slots": self.excluded,
+              "rejected_requests": dict(self.server.rejections),
               "attempts": self.attempts, "observability": self.observer.summary()}
     path = os.path.join(self.state_dir, name)
     write_json(path, report, indent=2, default=str)

@@ -2,7 +2,8 @@
 
 Environment (set by the driver or the cluster job files): MSCALE_HEARTBEAT_URL (where
 heartbeats go; unset: none are sent), MSCALE_HEARTBEAT_S (seconds between them, default 2),
-MSCALE_PROCESS_ID, MSCALE_ATTEMPT, MSCALE_SLOT (which rank, (re)start and slot this is).
+MSCALE_PROCESS_ID, MSCALE_ATTEMPT, MSCALE_SLOT (which rank, (re)start and slot this is),
+MSCALE_HEARTBEAT_TOKEN (the job's secret, which the driver's endpoint requires).
 The trainer feeds the client through the `Heartbeats` callback (mscale_jax/callbacks/worker.py).
 """
 import collections
@@ -13,11 +14,13 @@ import resource
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
 
 from mscale_jax.resilience import events
+from mscale_jax.resilience.worker import monitor
 
 log = logging.getLogger("mscale_jax")
 
@@ -30,7 +33,7 @@ class _Tail(logging.Handler):
     self.lines = collections.deque(maxlen=lines)
 
   def emit(self, record):
-    self.lines.append(self.format(record))
+    self.lines.append(self.format(record)[:2000])
 
 
 class HostProbe:
@@ -72,9 +75,11 @@ class HeartbeatClient:
   """
 
   def __init__(self, *, rank: int = 0, heartbeat_url: str | None = None,
-               interval_s: float = 2.0, attempt: int = 0, slot: int = 0):
+               interval_s: float = 2.0, attempt: int = 0, slot: int = 0, token: str = ""):
     self.rank = rank
     self.url = heartbeat_url
+    self.token = token
+    self._refused = False   # the driver turned a heartbeat away (logged once)
     self.interval_s = interval_s
     self.beat = events.Heartbeat(rank=rank, host=socket.gethostname(), pid=os.getpid(),
                                  attempt=attempt, slot=slot)
@@ -86,6 +91,7 @@ class HeartbeatClient:
     self._since = None   # (step, time) at the previous progress report
     self._phases = None   # the loop's PhaseMachine, once training
     self._probe = None
+    self._sampler = None  # per-second monitoring samples (monitor.py), once training
 
   @classmethod
   def from_env(cls, env=None) -> "HeartbeatClient":
@@ -97,7 +103,8 @@ class HeartbeatClient:
       rank = jax.process_index()
     return cls(rank=rank, heartbeat_url=env.get("MSCALE_HEARTBEAT_URL"),
                interval_s=float(env.get("MSCALE_HEARTBEAT_S", "2")),
-               attempt=int(env.get("MSCALE_ATTEMPT", "0")), slot=int(env.get("MSCALE_SLOT", "0")))
+               attempt=int(env.get("MSCALE_ATTEMPT", "0")), slot=int(env.get("MSCALE_SLOT", "0")),
+               token=env.get("MSCALE_HEARTBEAT_TOKEN", ""))
 
   # -- lifecycle ---------------------------------------------------------------------------
 
@@ -105,6 +112,9 @@ class HeartbeatClient:
     """Starts the heartbeats (once); `phases`: the training loop's PhaseMachine, if training."""
     if phases is not None:
       self._phases, self._probe = phases, HostProbe()
+      self._sampler = monitor.MetricSampler(self._progress)
+      if self.url:
+        self._sampler.start()
     if self.url and self._thread is None:
       self._tail = _Tail()
       self._tail.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
@@ -120,6 +130,8 @@ class HeartbeatClient:
       self._wake.set()
       self._thread.join(timeout=5)
       self._thread = None
+      if self._sampler is not None:
+        self._sampler.stop()
       self.post()
       log.removeHandler(self._tail)
 
@@ -157,7 +169,7 @@ class HeartbeatClient:
   def failure(self, kind: str, detail: str, step: int | None = None) -> None:
     """Reports this worker's own failure right away (it is about to exit)."""
     with self._lock:
-      self.beat.failure = events.Failure(kind, self.rank, detail, step=step).to_json()
+      self.beat.failure = events.Failure(kind, self.rank, detail[:4000], step=step).to_json()
       self.beat.phase = events.FAILED
     self.post()
 
@@ -174,13 +186,29 @@ class HeartbeatClient:
         self.beat.step_phases = self._phases.drain()
         self.beat.where = self._phases.where()
         self.beat.host_metrics = host
+      if self._sampler is not None:
+        self.beat.monitor = self._sampler.drain()
       body = json.dumps(self.beat.to_json()).encode()
-    request = urllib.request.Request(self.url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+      while len(body) > events.MAX_HEARTBEAT_BYTES and self.beat.log_tail:   # oldest go first
+        self.beat.log_tail = self.beat.log_tail[len(self.beat.log_tail) // 2 + 1:]
+        body = json.dumps(self.beat.to_json()).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
+    request = urllib.request.Request(self.url, data=body, method="POST", headers=headers)
     try:
+      start = time.perf_counter()
       urllib.request.urlopen(request, timeout=2).close()
+      if self._sampler is not None:
+        self._sampler.record_rtt(time.perf_counter() - start)
+    except urllib.error.HTTPError as e:   # the driver refused it: say so once, keep going
+      if not self._refused:
+        self._refused = True
+        log.warning("the driver refused a heartbeat: %s %s", e.code, e.reason)
     except OSError:
       pass
+
+  def _progress(self) -> tuple:
+    with self._lock:
+      return self.beat.step, self.beat.step_time_s, self.beat.data_wait_s
 
   def _run(self) -> None:
     while not self._stop.is_set():

@@ -1,0 +1,141 @@
+"""The driver's policy, driven end to end on workers without JAX (tests/fake_worker.py: the real
+heartbeat protocol, real processes, misbehaviour on cue). Each scenario runs the real Driver in
+a process session of its own with a hard timeout; whatever it leaves is killed and reported."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_worker.py")
+
+
+def _session(sid: int) -> list[int]:
+  pids = []
+  for entry in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    if int(fields[3]) == sid and fields[0] != "Z":
+      pids.append(int(entry))
+  return pids
+
+
+def drive(tmp_path, plan: dict, timeout_s: float = 60, **options):
+  """Runs the driver over fake workers; returns (exit status, report, driver output)."""
+  options = {"worker_command": [sys.executable, FAKE], "workdir": str(tmp_path),
+             "num_processes": 2, "devices_per_process": 1, "heartbeat_s": 0.2,
+             "hang_timeout_s": 3.0, "hang_step_factor": 1.0, "startup_timeout_s": 30.0,
+             "standby": False, "self_check": False, "status_every_s": 0, "poll_s": 0.05,
+             **options}
+  env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", FAKE_PLAN=json.dumps({"steps": 8, "step_s": 0.05,
+                                               "checkpoint_every": 2, **plan}))
+  proc = subprocess.Popen([sys.executable, FAKE, "driver", json.dumps(options)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  try:
+    output, _ = proc.communicate(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    output = proc.communicate()[0]
+  left = [p for p in _session(proc.pid) if p != proc.pid]
+  for pid in left:
+    os.kill(pid, signal.SIGKILL)
+  assert proc.returncode is not None and proc.returncode >= 0, f"timed out:\n{output[-3000:]}"
+  assert not left, f"processes left behind: {left}\n{output[-3000:]}"
+  with open(tmp_path / "resilience" / "report.json") as f:
+    return proc.returncode, json.load(f), output
+
+
+def misbehave(*entries):
+  return [dict(zip(("attempt", "rank", "step", "do"), e)) for e in entries]
+
+
+def checkpoints(tmp_path):
+  return sorted(int(d) for d in os.listdir(tmp_path / "checkpoints"))
+
+
+def test_a_spent_restart_budget_is_a_named_stop_that_keeps_everything(tmp_path):
+  plan = {"misbehave": misbehave((0, 1, 3, "exit"), (1, 0, 5, "exit"), (2, 1, 7, "exit"))}
+  status, report, output = drive(tmp_path, plan, max_restarts=2)
+  assert status != 0 and not report["completed"]
+  assert report["outcome"] == "restart budget (2) spent", report["outcome"]
+  assert "restart budget (2) spent" in output
+  assert [(f["kind"], f["rank"]) for f in report["failures"]] == [
+      ("exited", 1), ("exited", 0), ("exited", 1)]
+  assert [f.get("restore_step") for f in report["failures"]] == [2, 4, None]
+  assert [a["attempt"] for a in report["attempts"]] == [0, 1, 2]
+  assert checkpoints(tmp_path) == [2, 4, 6]   # nothing the job wrote was removed
+
+
+def test_the_same_failure_twice_at_one_step_stops_the_job(tmp_path):
+  plan = {"misbehave": misbehave((0, 1, 5, "failure"), (1, 1, 5, "failure"))}
+  status, report, _ = drive(tmp_path, plan, max_restarts=5)
+  assert status != 0
+  assert report["outcome"] == "the same failure twice at step 5: not transient"
+  assert [(f["kind"], f["step"]) for f in report["failures"]] == [("exception", 5)] * 2
+  assert report["restarts"] == 1   # one restart, not the whole budget
+
+
+def test_failures_at_different_steps_are_transient_and_the_job_completes(tmp_path):
+  plan = {"misbehave": misbehave((0, 1, 5, "failure"), (1, 0, 6, "failure"))}
+  status, report, output = drive(tmp_path, plan, max_restarts=5)
+  assert status == 0 and report["completed"], output[-2000:]
+  assert [(f["kind"], f["rank"], f["step"]) for f in report["failures"]] == [
+      ("exception", 1, 5), ("exception", 0, 6)]
+  assert [f["restore_step"] for f in report["failures"]] == [4, 4]
+
+
+def test_a_fatal_log_line_fails_a_live_worker(tmp_path):
+  plan = {"misbehave": misbehave((0, 0, 4, "fatal"))}
+  status, report, output = drive(tmp_path, plan)
+  assert status == 0 and report["completed"], output[-2000:]
+  (failure,) = report["failures"]
+  assert (failure["kind"], failure["rank"]) == ("fatal_log", 0)
+  assert "Check failed: the plan says so" in failure["detail"]
+
+
+def test_evict_restarts_without_the_straggler_slot(tmp_path):
+  plan = {"steps": 30, "step_s": 0.1,
+          "misbehave": misbehave((0, 1, "every", "straggle"))}
+  status, report, output = drive(tmp_path, plan, spare_slots=1, straggler_policy="evict",
+                                 straggler_window=3, timeout_s=90)
+  assert status == 0 and report["completed"], output[-2000:]
+  (failure,) = report["failures"]
+  assert (failure["kind"], failure["rank"], failure["slot"]) == ("straggler", 1, 1)
+  assert list(report["excluded_slots"]) == ["1"]
+  assert [a["slots"] for a in report["attempts"]] == [[0, 1], [0, 2]]
+
+
+def test_malformed_heartbeats_from_a_worker_cost_nothing(tmp_path):
+  plan = {"misbehave": misbehave((0, 1, "every", "malformed"))}
+  status, report, output = drive(tmp_path, plan)
+  assert status == 0 and report["completed"] and report["restarts"] == 0, output[-2000:]
+  assert report["final_step"] == 8 and report["failures"] == []
+  rejected = report["rejected_requests"]
+  assert rejected["400 rank"] == rejected["400 failure"] == rejected["400 not JSON"] == 8
+  assert "rejected a request from 127.0.0.1: 400 'rank' must be a rank" in output
+  # The job's token (the workers had it: their heartbeats got through) is for its owner only.
+  token = tmp_path / "resilience" / "heartbeat_token"
+  assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) >= 32
+
+
+def test_a_hang_is_blamed_on_the_rank_the_localiser_names(tmp_path):
+  """Rank 0 hangs in its host phase at step 5 while rank 1 waits in 'sync' for that step's
+  result. Rank 1 reported step 4 first, so the rank that advanced least recently is rank 1:
+  the localiser (stack dumps, loop phases) names rank 0, and the record must too."""
+  plan = {"misbehave": misbehave((0, 0, 5, "hang"))}
+  status, report, output = drive(tmp_path, plan, timeout_s=90)
+  assert status == 0 and report["completed"], output[-2000:]
+  (failure,) = report["failures"]
+  assert (failure["kind"], failure["rank"]) == ("hang", 0), failure
+  assert "localised to rank(s) [0]" in failure["detail"]
+  (located,) = report["observability"]["hang_localisations"]
+  assert located["odd_ranks"] == [0]
+  codes = {r["rank"]: r["code"] for r in located["ranks"]}
+  assert codes == {0: "fake_worker.py:host_work", 1: "fake_worker.py:wait_for_result"}
