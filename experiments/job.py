@@ -42,6 +42,7 @@ class Result:
   output: str
   wall_s: float
   leftovers: list[int]         # processes of its session alive after it exited (now killed)
+  session: int = 0             # its session id (end_session ends what keep_orphans kept)
 
   @property
   def timed_out(self) -> bool:
@@ -64,8 +65,10 @@ def command(workdir: str, launcher_flags, train_flags) -> list[str]:
 
 
 def run(workdir: str, launcher_flags=(), train_flags=(), *, timeout_s: float,
-        echo: bool = False, env: dict | None = None) -> Result:
-  """Runs the launcher to its end (or `timeout_s`); always kills what it leaves behind."""
+        echo: bool = False, env: dict | None = None, keep_orphans: bool = False) -> Result:
+  """Runs the launcher to its end (or `timeout_s`); kills what it leaves behind, except with
+  `keep_orphans` after a launcher killed by a signal (the kill_driver fault: running the
+  launcher again must end them; `Result.leftovers` lists them, `end_session` ends them)."""
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   log_path = os.path.join(workdir, "launcher.log")
@@ -87,13 +90,17 @@ def run(workdir: str, launcher_flags=(), train_flags=(), *, timeout_s: float,
   finally:
     if status is not None:
       leftovers = [pid for pid in _session_processes(proc.pid) if pid != proc.pid]
-    _kill_session(proc)
+    if keep_orphans and status is not None and status < 0:
+      proc.wait()
+    else:
+      _kill_session(proc)
     reader.join(timeout=10)
-  return Result(workdir, status, log_path, "".join(lines), time.time() - start, leftovers)
+  return Result(workdir, status, log_path, "".join(lines), time.time() - start, leftovers,
+                proc.pid)
 
 
 def _copy(stream, path: str, lines: list[str], echo: bool) -> None:
-  with open(path, "w") as log:
+  with open(path, "a") as log:   # a launch run again in its workdir (a resume) adds to it
     for line in stream:
       lines.append(line)
       log.write(line)
@@ -103,6 +110,20 @@ def _copy(stream, path: str, lines: list[str], echo: bool) -> None:
         sys.stdout.flush()
 
 
+def end_session(sid: int) -> None:
+  """SIGKILLs every process left in session `sid` (a launcher's, kept with keep_orphans)."""
+  for _ in range(50):
+    alive = _session_processes(sid)
+    if not alive:
+      return
+    for pid in alive:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    time.sleep(0.05)
+
+
 def _kill_session(proc: subprocess.Popen) -> None:
   """SIGKILLs the launcher's process group, then whatever is left in its session (scanned
   again until nothing is: a process may have started another meanwhile); reaps the launcher."""
@@ -110,16 +131,7 @@ def _kill_session(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
   except ProcessLookupError:
     pass
-  for _ in range(50):
-    alive = _session_processes(proc.pid)
-    if not alive:
-      break
-    for pid in alive:
-      try:
-        os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-    time.sleep(0.05)
+  end_session(proc.pid)
   proc.wait()
 
 

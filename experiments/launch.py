@@ -16,6 +16,10 @@ WORKDIR/resilience/report.json and worker logs are in WORKDIR/logs/. With --emit
 scheduler to start the workers (JAX's cluster auto-detection joins them); those files run
 this launcher beside the workers with --watch (heartbeats only; exit 1 at the first failure).
 
+If the driver itself dies (kill -9, a lost login node), running the same command again resumes
+the job from its workdir: the new driver ends the workers the dead one left running and carries
+its report on (WORKDIR/resilience/driver.json); while that driver still runs, the command
+refuses to start a second job in the same workdir.
 The driver's heartbeat endpoint takes requests only with the job's secret token (the local
 driver makes one, or takes MSCALE_HEARTBEAT_TOKEN from the environment, which --watch
 requires); it is in WORKDIR/resilience/heartbeat_token for `curl .../status`.
@@ -65,7 +69,9 @@ _COMPILE_CACHE = flags.DEFINE_string("compile_cache_dir", "", "Compilation cache
 _FAULTS = flags.DEFINE_multi_string("fault", [], "Inject a fault (repeatable): kill:rank=R:"
                                     "step=N[:at=save], hang:rank=R:step=N, nan:step=N, "
                                     "exception:rank=R:step=N, slow:rank=R:factor=F, "
-                                    "bad_slot:slot=S.")
+                                    "bad_slot:slot=S[:step=N]; from outside the workers: "
+                                    "stop, contend, corrupt_checkpoint, io_error, kill_driver, "
+                                    "kill_coordinator (mscale_jax/resilience/faults.py).")
 _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA_FLAGS for the workers.")
 _EMIT = flags.DEFINE_enum("emit", "local", ["local", "slurm", "kubernetes"], "Run locally, or "
                           "write a Slurm batch script / Kubernetes JobSet manifest.")
@@ -178,6 +184,13 @@ def check_inputs(train_args: list[str]):
                     else "--coordinator_host")
   if _EMIT.value == "local":
     check_port_free(_HOST.value, _HEARTBEAT_PORT.value, "--heartbeat_port")
+  if _EMIT.value == "local" and not _WATCH.value and _WORKDIR.value:
+    from mscale_jax.resilience.driver import claim
+    pid = claim.live_driver(os.path.join(os.path.abspath(_WORKDIR.value), "resilience"))
+    if pid is not None:
+      raise ConfigError("--workdir", _WORKDIR.value, f"a folder no running driver uses: driver "
+                        f"pid {pid} runs this job (running the command again resumes a job "
+                        f"only once its driver is gone)")
   if _EMIT.value == "kubernetes" and not _PVC.value:
     raise ConfigError("--pvc", "(unset)", "the name of a PersistentVolumeClaim (ReadWriteMany) "
                       "for the workdir: checkpoints must outlive a pod and be shared")

@@ -84,14 +84,17 @@ def dry_run(config) -> dict:
 
 
 def worker_callbacks(heartbeats, env=None) -> list:
-  """The callbacks of a worker: heartbeats when the driver listens (MSCALE_HEARTBEAT_URL), and
-  the faults asked for (MSCALE_FAULTS, then --fault), if any."""
-  from mscale_jax.callbacks.worker import FaultInjection, Heartbeats
+  """The callbacks of a worker: heartbeats when the driver listens (MSCALE_HEARTBEAT_URL), the
+  faults asked for (MSCALE_FAULTS, then --fault), if any, and a bad slot's corruption
+  (MSCALE_BAD_SLOT)."""
+  from mscale_jax.callbacks.worker import BadSlot, FaultInjection, Heartbeats
   from mscale_jax.resilience.faults import parse_faults
   env = os.environ if env is None else env
   faults = parse_faults(json.loads(env.get("MSCALE_FAULTS", "[]")) + list(_FAULTS.value))
+  bad_from = int(env.get("MSCALE_BAD_SLOT", "0") or 0)
   return ([Heartbeats(heartbeats)] if heartbeats.url else []) + \
-      ([FaultInjection(faults)] if faults else [])
+      ([FaultInjection(faults)] if faults else []) + \
+      ([BadSlot(bad_from, int(env.get("MSCALE_SLOT", "0")))] if bad_from else [])
 
 
 def main(argv):

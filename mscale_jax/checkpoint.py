@@ -12,11 +12,20 @@ next step may overwrite donated buffers). Orbax writes into a temporary director
 when complete, so a run killed mid-save leaves the previous checkpoint as the latest; leftover
 temporary directories are removed on the next start.
 
+When a save's files are written, process 0 adds a checksum manifest to its folder
+(`files.write_manifest`: size and SHA-256 of every file of its items) before orbax commits it. On start, a checkpoint whose files no
+longer match their manifest (bit rot, a bad disk, a torn copy) is set aside into
+WORKDIR/checkpoints_corrupt/ with a warning, and the previous complete one becomes the latest:
+nothing is deleted, nothing corrupt is restored. A save that cannot be written (a read-only or
+full disk) raises `CheckpointWriteError` naming the step, the folder and the checkpoint that
+stays the latest; orbax's temporary folder never counts as a checkpoint.
+
 Every save's two stages are timed (MegaScale's two-stage checkpointing): `stall_s`, how long
 `save` held the training loop (device-to-host copy, and waiting for a previous save still being
 written), and `write_s`, how long the background write took after that. Restores are timed too.
 """
 import dataclasses
+import glob
 import logging
 import os
 import threading
@@ -27,6 +36,7 @@ import orbax.checkpoint as ocp
 
 from mscale_jax.config import Config
 from mscale_jax.errors import ConfigError
+from mscale_jax.files import verify_manifest, write_manifest
 
 log = logging.getLogger("mscale_jax")
 
@@ -40,6 +50,31 @@ ocp.type_handlers.register_type_handler(
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_BYTES), override=True)
 
 
+ITEMS = ("state", "data", "meta")
+
+
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint could not be written; the previous complete one stays the latest."""
+
+
+def set_aside_corrupt(directory: str) -> list[dict]:
+  """Moves checkpoints under `directory` that fail their manifest, newest first until one holds,
+  into a sibling folder 'checkpoints_corrupt'; returns [{'step', 'problem', 'moved_to'}]."""
+  steps = sorted((int(d) for d in os.listdir(directory) if d.isdigit()), reverse=True) \
+      if os.path.isdir(directory) else []
+  moved = []
+  for step in steps:
+    problem = verify_manifest(os.path.join(directory, str(step)))
+    if problem is None:
+      break
+    target = os.path.join(os.path.dirname(directory), "checkpoints_corrupt",
+                          f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.replace(os.path.join(directory, str(step)), target)
+    moved.append({"step": step, "problem": problem, "moved_to": target})
+  return moved
+
+
 class Checkpointer:
   """Saves and restores train state, data-iterator state and model config under `directory`."""
 
@@ -50,6 +85,7 @@ class Checkpointer:
     self.restore_s: float | None = None
     self._lock = threading.Lock()
     self._stalled_until = None
+    self.set_aside = self._check_newest()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
@@ -57,7 +93,18 @@ class Checkpointer:
         async_options=(ocp.AsyncOptions(post_finalization_callback=self._written)
                        if async_save else None))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=("state", "data", "meta"))
+                                          item_names=ITEMS)
+
+  def _check_newest(self) -> list[dict]:
+    """Process 0 sets corrupt newest checkpoints aside (every process waits for it)."""
+    moved = set_aside_corrupt(self.directory) if jax.process_index() == 0 else []
+    for m in moved:
+      log.warning("checkpoint step %d is corrupt (%s): moved to %s; the previous complete "
+                  "checkpoint is restored instead", m["step"], m["problem"], m["moved_to"])
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("checkpoints checked")
+    return moved
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or None (half-written ones do not count)."""
@@ -72,18 +119,58 @@ class Checkpointer:
     was held (`stall_s`) and the background write took (`write_s`) go to `self.saves`.
     """
     start = time.perf_counter()
-    self._save(step, state, data_state, config, layer_layout)
+    try:
+      self._can_write()
+      self._save(step, state, data_state, config, layer_layout)
+    except Exception as e:
+      raise self._write_error(step, e) from e
+    if not self.async_save:
+      self._manifest(step)
     end = time.perf_counter()
     with self._lock:
       self.saves.append({"step": step, "stall_s": end - start,
                          "write_s": None if self.async_save else 0.0})
       self._stalled_until = end
 
+  def _can_write(self) -> None:
+    """OSError now if the folder refuses a new file (read-only, full, gone), rather than from
+    orbax's background thread later."""
+    probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
+    with open(probe, "wb") as f:
+      f.write(b"0")
+    os.remove(probe)
+
   def _written(self) -> None:
     """orbax's callback once the background write of the newest save is complete."""
     with self._lock:
       if self.saves and self.saves[-1]["write_s"] is None:
         self.saves[-1]["write_s"] = time.perf_counter() - self._stalled_until
+      step = self.saves[-1]["step"] if self.saves else None
+    if step is not None:
+      self._manifest(step)
+
+  def _manifest(self, step: int) -> None:
+    """Process 0 writes the checksum manifest of checkpoint `step` once its files are written:
+    into orbax's temporary folder when that is still to be renamed (an async save's callback
+    runs just before the rename, so the manifest is committed with the checkpoint), else into
+    the final folder."""
+    if jax.process_index() != 0:
+      return
+    pending = glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*"))
+    final = os.path.join(self.directory, str(step))
+    path = pending[0] if len(pending) == 1 else final if os.path.isdir(final) else None
+    if path is not None:   # the items; orbax rewrites its own step metadata when committing
+      write_manifest(path, folders=ITEMS)
+
+  def _write_error(self, step: int | None, error: Exception) -> CheckpointWriteError:
+    what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+    # The manager counts a save as soon as it starts; a complete one is a renamed folder.
+    complete = [int(d) for d in os.listdir(self.directory) if d.isdigit()] \
+        if os.path.isdir(self.directory) else []
+    return CheckpointWriteError(
+        f"{what} could not be written under {self.directory} ({type(error).__name__}: "
+        f"{error}); the latest complete checkpoint is still step {max(complete, default=None)}, "
+        f"intact: a restart resumes from it")
 
   def _save(self, step: int, state, data_state: dict, config: Config,
             layer_layout: tuple[int, int]) -> None:
@@ -157,14 +244,26 @@ class Checkpointer:
     self.restore_s = time.perf_counter() - start
     return state
 
+  def check(self) -> None:
+    """Raises CheckpointWriteError if a background write has failed since the last call."""
+    try:
+      self._manager.check_for_errors()
+    except Exception as e:
+      raise self._write_error(self.saves[-1]["step"] if self.saves else None, e) from e
+
   def wait(self) -> None:
-    """Blocks until every started save is on disk."""
-    self._manager.wait_until_finished()
+    """Blocks until every started save is on disk (CheckpointWriteError if one failed)."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:
+      raise self._write_error(self.saves[-1]["step"] if self.saves else None, e) from e
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager's threads."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
 
 
 def abstract_like(tree, shardings):

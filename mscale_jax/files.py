@@ -1,6 +1,10 @@
-"""Writing a file whole or not at all, for records other processes (or a restart) may read."""
+"""Writing a file whole or not at all, for records other processes (or a restart) may read;
+checksum manifests of a folder (checkpoints), to notice later that a file changed."""
+import hashlib
 import json
 import os
+
+MANIFEST = "manifest.json"
 
 
 def write_json(path: str, value, **dump_kwargs) -> None:
@@ -12,3 +16,46 @@ def write_json(path: str, value, **dump_kwargs) -> None:
   with open(path + ".tmp", "w") as f:
     json.dump(value, f, **dump_kwargs)
   os.replace(path + ".tmp", path)
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _files_under(directory: str, folders) -> list[str]:
+  return sorted(rel for root, _, names in os.walk(directory) for name in names
+                if (rel := os.path.relpath(os.path.join(root, name), directory)) != MANIFEST
+                and (folders is None or rel.split(os.sep)[0] in folders))
+
+
+def write_manifest(directory: str, folders=None) -> dict:
+  """Writes DIRECTORY/manifest.json: the size and SHA-256 of every file below `directory`, or
+  only of those in its subfolders named in `folders`."""
+  files = {rel: {"bytes": os.path.getsize(os.path.join(directory, rel)),
+                 "sha256": _sha256(os.path.join(directory, rel))}
+           for rel in _files_under(directory, folders)}
+  write_json(os.path.join(directory, MANIFEST), {"files": files}, indent=1)
+  return files
+
+
+def verify_manifest(directory: str) -> str | None:
+  """None if every file `directory`'s manifest lists is there, unchanged (or there is no
+  manifest: a folder written before manifests existed); otherwise what is wrong, in words."""
+  path = os.path.join(directory, MANIFEST)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    files = json.load(f)["files"]
+  for rel, want in files.items():
+    full = os.path.join(directory, rel)
+    if not os.path.exists(full):
+      return f"{rel} is missing"
+    if os.path.getsize(full) != want["bytes"]:
+      return f"{rel} has {os.path.getsize(full)} bytes, {want['bytes']} were written"
+    if _sha256(full) != want["sha256"]:
+      return f"{rel} fails its SHA-256 checksum"
+  return None

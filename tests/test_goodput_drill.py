@@ -6,6 +6,7 @@ import os
 import pytest
 
 from mscale_jax.goodput import drill
+from mscale_jax.resilience.driver.injector import OS_KINDS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = os.path.join(REPO, "results", "fault_drill-*.json")
@@ -16,13 +17,27 @@ def test_every_committed_drill_record_is_replayed_and_falls_back_where_the_drill
   assert errors == [] and len(cases) >= 4
   for case in cases:
     pred = drill.predict(case)
-    assert case.unplaced == ()
+    # Faults without a restart of their own are listed, not simulated: a slowdown (contend),
+    # a bad slot (found by the self-check of another fault's restart).
+    assert all(spec.split(":")[0] in ("contend", "bad_slot") for spec, _ in case.unplaced), \
+        case.unplaced
     # The simulator works out each restart's checkpoint from the cadence, the fault's step and
-    # whether it struck mid-save; the drill recorded where its driver actually restored.
-    assert pred.lost == case.recorded_lost, case.path
+    # whether it struck mid-save; the drill recorded where its driver actually restored. A
+    # corrupt checkpoint sends the restore further back than the simulator knows; a fault from
+    # outside strikes somewhere within a step or its save, which the record places only to the
+    # step (within one checkpoint interval).
+    specs = case.specs or ("",) * len(case.faults)
+    for spec, recorded, simulated in zip(specs, case.recorded_lost, pred.lost):
+      if spec.startswith("corrupt_checkpoint"):
+        assert recorded >= simulated + case.checkpoint_every, (case.path, spec)
+      elif spec.split(":")[0] in OS_KINDS:
+        assert abs(recorded - simulated) <= case.checkpoint_every, (case.path, spec)
+      else:
+        assert recorded == simulated, (case.path, spec)
     # The fed costs come back in the drill's own accounting (restart includes the first step).
+    exact = pred.lost == case.recorded_lost
     for key in ("detection_s", "restart_s", "startup_s", "replayed_steps_s", "training_s"):
-      if key in case.measured_breakdown:
+      if key in case.measured_breakdown and (exact or key != "replayed_steps_s"):
         assert pred.breakdown[key] == pytest.approx(case.measured_breakdown[key], rel=1e-6), key
     assert 0 < pred.rate < pred.rate_events_only < 1
 
@@ -104,3 +119,17 @@ def test_records_the_reader_cannot_use_are_reported_not_guessed(tmp_path):
   cases, errors = drill.read_all(str(tmp_path / "fault_drill-*.json"))
   assert cases == [] and len(errors) == 2
   assert "iteration_s" in errors[0][1] and "cadence" in errors[1][1]
+
+
+def test_faults_are_placed_where_they_struck(tmp_path):
+  # A fault from outside fires once a rank reports its step done (here 23, asked for 20); a
+  # worker's fires before its step runs.
+  figures = _figures(faults=[
+      {"injected": "stop:rank=1:step=20", "injected_step": 23, "by": "driver", "kind": "hang",
+       "detection_latency_s": 9.0, "restart_s": 4.0, "steps_lost": 3},
+      {"injected": "kill:rank=1:step=40", "injected_step": 40, "by": "worker",
+       "kind": "exited", "detection_latency_s": 0.2, "restart_s": 3.0, "steps_lost": 4}])
+  case = drill.read_case(_record(tmp_path, "h", figures, command="--checkpoint_every=5"))
+  assert [f.at_iteration for f in case.faults] == [23, 39]
+  assert case.specs == ("stop:rank=1:step=20", "kill:rank=1:step=40")
+  assert drill.predict(case).lost == (3, 4)

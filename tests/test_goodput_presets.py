@@ -31,7 +31,10 @@ def test_every_input_says_where_it_comes_from():
 def test_the_measured_exit_detection_is_the_slowest_in_the_drill_records():
   latencies = [f["detection_latency_s"] for p in glob.glob(DRILLS)
                for f in json.load(open(p))["figures"]["faults"]
-               if f["kind"] in ("exited", "exception", "nonfinite")]
+               if f["kind"] in ("exited", "exception", "nonfinite")
+               # an io_error's latency runs from the folder turning read-only to the failure
+               # of the next save: waiting for that save is not detection
+               and not str(f.get("injected", "")).startswith("io_error")]
   assert latencies
   assert sources.value("drill.exit_detection_s") == pytest.approx(max(latencies), abs=0.005)
 

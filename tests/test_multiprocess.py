@@ -51,14 +51,15 @@ def faulty(tmp_path_factory):
   """One run through every kind of recovery, attempt by attempt:
 
     0  slots [0, 1]  rank 1 is killed (kill -9) before step 6: restart from step 4
-    1  slots [0, 1]  (warm standbys) the self-check fails slot 1 (bad_slot): start without it
+    1  slots [0, 1]  (warm standbys) the self-check fails slot 1 (bad_slot: since step 5 what
+                     its process receives is corrupt): start without it
     2  slot [0]      the job shrinks to data=1; rank 0 is killed while step 8's save is being
                      written: restart from step 4 again (step 8's checkpoint never completed)
     3  slot [0]      the self-check passes; rank 0 hangs before step 10: restart from step 8
     4  slot [0]      completes
   """
   workdir = tmp_path_factory.mktemp("faulty")
-  result = launch(workdir, "--fault=kill:rank=1:step=6", "--fault=bad_slot:slot=1",
+  result = launch(workdir, "--fault=kill:rank=1:step=6", "--fault=bad_slot:slot=1:step=5",
                   "--fault=kill:rank=0:step=8:at=save", "--fault=hang:rank=0:step=10",
                   "--hang_timeout_s=4", "--hang_step_factor=1", timeout_s=420)
   assert result.status == 0 and result.report["completed"], result.tail()

@@ -11,7 +11,9 @@ from mscale_jax.callbacks.base import Callback
 from mscale_jax.errors import ConfigError, NonFiniteError
 from mscale_jax.observability.phases import COARSE
 from mscale_jax.resilience import events
-from mscale_jax.resilience.worker.faults import FaultInjector, nan_program
+from mscale_jax.files import write_json
+from mscale_jax.resilience.worker.faults import (FaultInjector, bad_slot_marker,
+                                                 corrupt_received, nan_program)
 
 
 class Heartbeats(Callback):
@@ -85,3 +87,25 @@ class FaultInjection(Callback):
 
   def on_save(self, run, step):
     self.injector.after_save_started(step)
+
+
+class BadSlot(Callback):
+  """The `bad_slot` fault on this process (resilience/faults.py): from step `step` on, the
+  updated parameters this process holds after each step (what the gradient all-reduce delivered
+  to it) are corrupted by `corrupt_received`, in its first parameter's local shards."""
+
+  def __init__(self, step: int, slot: int):
+    self.step, self.slot = step, slot
+
+  def on_step_dispatched(self, run, step, metrics):
+    if step < self.step:
+      return
+    marker = bad_slot_marker(run.trainer.workdir, self.slot)
+    if not os.path.exists(marker):
+      write_json(marker, {"slot": self.slot, "step": step, "rank": run.trainer.process_index})
+    leaves, treedef = jax.tree.flatten(run.state["params"])
+    x = leaves[0]
+    leaves[0] = jax.make_array_from_single_device_arrays(
+        x.shape, x.sharding, [jax.device_put(corrupt_received(s.data), s.device)
+                              for s in x.addressable_shards])
+    run.state = {**run.state, "params": jax.tree.unflatten(treedef, leaves)}

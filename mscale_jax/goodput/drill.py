@@ -11,7 +11,9 @@ save again), and the wall time and its split. Time the record does not itemise (
 logging, slower steps, shutdown) is taken from the fault-free reference run: its wall time
 minus the simulated fault-free run, per step. When a record lacks the reference's wall time, a
 record measured against the same reference run (same reference workdir and iteration time)
-lends it. Records measuring evaluations directly (a 'where_time_went' key naming them) use that.
+lends it; without a reference, records measuring evaluations directly (a 'where_time_went' key
+naming them) use those. Faults that slow the job rather than stop it (contend) and faults found
+only by a later self-check (bad_slot) have no restart of their own: they are listed as unplaced.
 
 The reader is tolerant: missing fields fall back as documented in `read_case`; a fault it
 cannot place or cost is listed in `DrillCase.unplaced` with the reason, never guessed.
@@ -51,6 +53,7 @@ class DrillCase:
   reference_from: str           # where reference_wall_s came from
   evaluation_s: float | None    # evaluations measured in the faulty run, if recorded
   notes: tuple = ()
+  specs: tuple = ()             # the injection spec of each placed fault
 
 
 def _number(*values):
@@ -89,6 +92,12 @@ def _placement(fault: dict) -> tuple:
   (None, False, why not)."""
   spec = str(fault.get("injected") or fault.get("spec") or "")
   during_save = "at=save" in spec
+  # Where it actually struck: a driver-injected fault once a rank reported step N done, a
+  # worker's before step N runs (or during step N's save).
+  fired = _number(fault.get("injected_step"))
+  if fired is not None:
+    done = fault.get("by") == "driver" or during_save
+    return int(fired) - (0 if done else 1), during_save, "the step it was injected at"
   match = re.search(r"(?:^|:)step=(\d+)", spec)
   if match:
     step = int(match.group(1))
@@ -157,13 +166,14 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
   startup = _number(where.get("startup_s"), figures.get("startup_s"))
   if startup is None:
     notes.append("start-up time not recorded: left in the fault-free residual")
-  faults, lost, unplaced = [], [], []
+  faults, lost, unplaced, specs = [], [], [], []
   for f in figures.get("faults") or []:
     fault, how = _fault(f, iteration_s)
     if fault is None:
       unplaced.append((str(f.get("injected") or f.get("kind")), how))
       continue
     faults.append(fault)
+    specs.append(str(f.get("injected") or f.get("kind")))
     lost.append(_number(f.get("steps_lost")))
   reference, source = _number(figures.get("reference_wall_s")), "this record"
   if reference is None and records:
@@ -177,7 +187,7 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
       measured_rate=float(figures["effective_training_time_rate"]),
       measured_wall_s=float(figures["wall_s"]), measured_breakdown=where,
       reference_wall_s=reference, reference_from=source, evaluation_s=evaluation,
-      notes=tuple(notes))
+      notes=tuple(notes), specs=tuple(specs))
 
 
 def _borrow_reference(path: str, record: dict, records: dict) -> tuple:
@@ -253,13 +263,13 @@ def predict(case: DrillCase) -> Prediction:
   """Replays `case`: events only, then with the per-step residual of the fault-free run."""
   events = simulate(job_for(case), iterations=case.steps, faults=case.faults)
   residual, source = None, "none: the record has no fault-free reference and no evaluations"
-  if case.evaluation_s is not None:
-    ran = case.steps + sum(x or 0 for x in case.recorded_lost)
-    residual, source = case.evaluation_s / ran, "evaluations measured in this run"
-  elif case.reference_wall_s is not None:
+  if case.reference_wall_s is not None:   # covers evaluations, logging, slower steps alike
     fault_free = simulate(job_for(case), iterations=case.steps).wall_s
     residual = max(0.0, case.reference_wall_s - fault_free) / case.steps
     source = f"fault-free reference run ({case.reference_from})"
+  elif case.evaluation_s is not None:
+    ran = case.steps + sum(x or 0 for x in case.recorded_lost)
+    residual, source = case.evaluation_s / ran, "evaluations measured in this run"
   out = events if residual is None else simulate(
       job_for(case, residual), iterations=case.steps, faults=case.faults)
   return Prediction(case, events.rate, out.rate, residual, source,

@@ -99,7 +99,11 @@ class Timeline:
 
 
 def read_rank_file(path: str) -> tuple[list[dict], list[dict]]:
-  """(meta lines, spans) of one rank's file; a torn last line (a killed process) is skipped."""
+  """(meta lines, spans) of one rank's file; a torn last line (a killed process) is skipped.
+
+  Each process of a (re)start begins with a meta line; every span gets `segment`, the number of
+  meta lines before it, so that a step replayed after a restart can be told from its first run.
+  """
   metas, spans = [], []
   with open(path) as f:
     for line in f:
@@ -107,15 +111,22 @@ def read_rank_file(path: str) -> tuple[list[dict], list[dict]]:
         obj = json.loads(line)
       except ValueError:
         continue
-      (metas.append(obj["meta"]) if "meta" in obj else spans.append(obj))
+      if "meta" in obj:
+        metas.append(obj["meta"])
+      else:
+        spans.append({**obj, "segment": len(metas)})
   return metas, spans
 
 
 def per_iteration(spans: list[dict]) -> dict[int, dict[str, float]]:
-  """{step: {phase: seconds}} of one rank's loop spans (the last attempt's replay wins)."""
-  out = collections.defaultdict(dict)
+  """{step: {phase: seconds}} of one rank's loop spans; a step replayed after a restart counts
+  once, as its last run (the spans of the latest `segment` that ran it)."""
+  out, segment_of = collections.defaultdict(dict), {}
   for s in spans:
     if s["track"] == LOOP and s["step"] is not None and s["name"] in LOOP_PHASES:
+      segment = s.get("segment", 0)
+      if segment > segment_of.setdefault(s["step"], segment):
+        out[s["step"]], segment_of[s["step"]] = {}, segment   # a replay: its earlier run goes
       phases = out[s["step"]]
       phases[s["name"]] = phases.get(s["name"], 0.0) + s["end"] - s["start"]
   return dict(out)

@@ -24,7 +24,9 @@ EXCEPTION = "exception"      # a Python exception in a worker
 FATAL_LOG = "fatal_log"      # a log line matching FATAL_LOG_PATTERNS
 STRAGGLER = "straggler"      # a rank flagged slow, with the driver's straggler policy 'evict'
 SELF_CHECK_FAILED = "self_check_failed"   # a restarted group's self-check failed a slot
-FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER, SELF_CHECK_FAILED)
+DRIVER_LOST = "driver_lost"  # the driver died; the same launch command, run again, resumed
+FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER, SELF_CHECK_FAILED,
+                 DRIVER_LOST)
 
 # Exit statuses of experiments.train beyond 0 (done), 1 (exception) and 2 (bad input).
 EXIT_NONFINITE = 3

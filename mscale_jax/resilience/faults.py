@@ -13,12 +13,36 @@ parentheses) and who injects them:
   exception  rank (0), step                        worker: raise RuntimeError before step `step`
   slow       rank (0), factor, step (1)            worker: from step `step` on, each step of
                                                    that rank takes `factor` times as long
-  bad_slot   slot                                  driver: the self-check of that slot fails
+  bad_slot   slot, step (1)                        driver (its env): from step `step` on,
+                                                   the results of its cross-process collectives
+                                                   arrive corrupt (training's parameter updates
+                                                   and the self-check's all-gather alike)
+
+Faults of the operating system, injected from outside the training processes by the driver
+(resilience/driver/injector.py) once the group has reached step `step`:
+
+  stop               rank (1), step                SIGSTOP the worker: a real hang, no Python
+                                                   runs in it
+  contend            rank (1), step, seconds (30)  pin each worker to a core of its own, then
+                                                   run a busy process on `rank`'s core for
+                                                   `seconds`: a real slow machine
+  corrupt_checkpoint rank (0), step                flip bytes in an array file of the newest
+                                                   committed checkpoint, then SIGKILL `rank`:
+                                                   the restart must notice (checksums) and
+                                                   restore the checkpoint before it
+  io_error           rank (0), step, seconds (0)   the checkpoint directory turns read-only
+                                                   (chattr +i as root, chmod otherwise) for
+                                                   `seconds` (0: until the failure it causes is
+                                                   detected): the next save fails
+  kill_driver        step                          SIGKILL the driver itself; running the same
+                                                   launch command again resumes the job
+  kill_coordinator   step                          SIGKILL process 0 (the jax.distributed
+                                                   coordination service) from outside
 
 Steps are numbered as in metrics.jsonl: step N is the N-th update. Faults a worker injects live
 in `resilience/worker/faults.py` (they fire once per run: see there), faults the driver injects
-in `resilience/driver/`. A new kind is a row of `KINDS` plus its injector in one of the two.
-This module is pure Python: the launcher validates specs before anything starts.
+in `resilience/driver/injector.py`. A new kind is a row of `KINDS` plus its injector in one of
+the two. This module is pure Python: the launcher validates specs before anything starts.
 """
 import dataclasses
 
@@ -33,8 +57,15 @@ KINDS = {
     "nan": ({"step": None}, WORKER),
     "exception": ({"rank": 0, "step": None}, WORKER),
     "slow": ({"rank": 0, "factor": None, "step": 1}, WORKER),
-    "bad_slot": ({"slot": None}, DRIVER),
+    "bad_slot": ({"slot": None, "step": 1}, DRIVER),
+    "stop": ({"rank": 1, "step": None}, DRIVER),
+    "contend": ({"rank": 1, "step": None, "seconds": 30.0}, DRIVER),
+    "corrupt_checkpoint": ({"rank": 0, "step": None}, DRIVER),
+    "io_error": ({"rank": 0, "step": None, "seconds": 0.0}, DRIVER),
+    "kill_driver": ({"step": None}, DRIVER),
+    "kill_coordinator": ({"step": None}, DRIVER),
 }
+FLOAT_KEYS = ("factor", "seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +78,7 @@ class Fault:
   at: str = "step"
   factor: float = 1.0
   slot: int = 0
+  seconds: float = 0.0
 
   @property
   def spec(self) -> str:
@@ -75,16 +107,20 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
   if missing:
     raise ConfigError("--fault", spec, f"{kind!r} needs {', '.join(missing)}=...")
   try:
-    out = {k: (float(v) if k == "factor" else v if k == "at" else int(v))
+    out = {k: (float(v) if k in FLOAT_KEYS else v if k == "at" else int(v))
            for k, v in values.items()}
   except ValueError:
-    raise ConfigError("--fault", spec, "integer rank/step/slot and a number factor") from None
+    raise ConfigError("--fault", spec, "integer rank/step/slot and a number factor/seconds") \
+        from None
   if out.get("at", "step") not in ("step", "save"):
     raise ConfigError("--fault", spec, "at=step or at=save")
   if min(out.get("step", 1), 1) < 1 or min(out.get("rank", 0), out.get("slot", 0)) < 0:
     raise ConfigError("--fault", spec, "step >= 1, rank >= 0 and slot >= 0")
   if kind == "slow" and not out["factor"] > 1:
     raise ConfigError("--fault", spec, "factor > 1")
+  if out.get("seconds", 0.0) < 0 or (kind == "contend" and not out["seconds"] > 0):
+    raise ConfigError("--fault", spec, "seconds > 0 (io_error: seconds >= 0, 0 meaning until "
+                      "the failure it causes is detected)")
   return Fault(kind, index=index, **out)
 
 

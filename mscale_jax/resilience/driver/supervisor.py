@@ -21,7 +21,6 @@ batches. A failure that repeats at the same step, or a bad configuration (a work
 status 2), ends the job. Everything lands in WORKDIR/resilience/report.json.
 """
 import dataclasses
-import glob
 import itertools
 import json
 import os
@@ -35,6 +34,10 @@ import time
 from mscale_jax.files import write_json
 from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
+from mscale_jax.resilience.driver import claim
+from mscale_jax.resilience.driver.claim import (blamed_task, fired_since, latest_checkpoint,
+                                                 log_tail)
+from mscale_jax.resilience.driver.injector import OsInjector
 from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
 from mscale_jax.resilience.faults import WORKER, Fault
@@ -85,11 +88,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def latest_checkpoint(workdir: str) -> int:
-  """Newest complete checkpoint step in WORKDIR/checkpoints (orbax renames when complete)."""
-  steps = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
-           if d.isdigit()] if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
-  return max(steps, default=0)
 
 
 class _Group:
@@ -121,6 +119,7 @@ class Driver:
     self.failures: list[dict] = []
     self.attempts: list[dict] = []
     self._group: _Group | None = None
+    self.injector = OsInjector(options.faults, self.state_dir, self.say)
     self._step_times: list[float] = []
     self.token = options.heartbeat_token or secrets.token_urlsafe(32)
     self.observer = Observer(self.workdir, self.say, policy=options.straggler_policy,
@@ -141,14 +140,15 @@ class Driver:
     """Runs the job to completion or until it cannot go on; returns (and writes) the report."""
     os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
     self._serve_heartbeats()
+    start, attempt0 = self._resume()
     warm = self.o.standby and self.o.max_restarts > 0
     self.pool = StandbyPool(self.o.worker_command, self.o.num_processes if warm else 0,
                             dict(os.environ, XLA_FLAGS=self._xla_flags()),
                             os.path.join(self.workdir, "logs"))
-    start, outcome = time.time(), "failed"
-    restarts = 0   # after failures; a restart that only drops slots failing a self-check is free
+    outcome = "failed"
+    restarts = self._restarts   # a restart that only drops slots failing a self-check is free
     try:
-      for attempt in itertools.count():
+      for attempt in itertools.count(attempt0):
         active = [s for s in self.slots if s not in self.excluded][:self.o.num_processes]
         if not active:
           outcome = "no healthy slot left"
@@ -165,6 +165,7 @@ class Driver:
                               "ended": time.time(), "max_step": group.max_step,
                               "warm_processes": group.warm,
                               "failure": failure and failure.kind})
+        self._claim([])
         excluded = self._take_diagnosis(group, failure)
         if self.failures and self.failures[-1].get("restart_s") is None \
             and group.first_step_at is not None:
@@ -184,7 +185,7 @@ class Driver:
         if restarts == self.o.max_restarts:
           outcome = f"restart budget ({self.o.max_restarts}) spent"
           break
-        restarts += 1
+        restarts = self._restarts = restarts + 1
         record["restore_step"] = latest_checkpoint(self.workdir)
         record["steps_lost"] = max(record["last_step"] - record["restore_step"], 0)
         self.say(f"restarting from step {record['restore_step']} "
@@ -192,11 +193,41 @@ class Driver:
     finally:
       if self._group is not None:
         self._stop(self._group)
+      self.injector.close()
       self.pool.close()
       self.server.close()
+    self._claim([], outcome)
     report = self._report(outcome, time.time() - start)
     self.observer.finish(report)
     return report
+
+  def _resume(self) -> tuple[float, int]:
+    """(job start, first attempt): a new job's, or that of a job whose driver died (claim.py)."""
+    self._restarts = 0
+    previous = claim.read(self.state_dir)
+    if previous is None or previous.get("outcome") is not None:
+      self._started = time.time()
+      return self._started, 0
+    ended = claim.end_leftover_workers(previous)
+    self._started = previous["started"]
+    self.attempts, self.failures = previous["attempts"], previous["failures"]
+    self.excluded = {int(k): v for k, v in previous["excluded"].items()}
+    self._restarts = previous["restarts"] + 1
+    if previous.get("group"):   # the dead driver's last group: its self-check verdict, if any
+      self._take_diagnosis(_Group(previous["group"]["attempt"], previous["group"]["slots"]), None)
+    record, attempt = claim.lost_driver(previous, ended, self.workdir)
+    self.failures.append(record)
+    self.attempts.append(attempt)
+    self.say(f"resuming: {record['detail']}; from step {record['restore_step']}")
+    return self._started, len(self.attempts)
+
+  def _claim(self, procs, outcome: str | None = None) -> None:
+    """Writes WORKDIR/resilience/driver.json: this driver, its workers, the job so far."""
+    g = self._group
+    claim.write(self.state_dir, [p.pid for p in procs], {
+        "group": g and {"attempt": g.attempt, "slots": g.slots, "started": g.started},
+        "started": self._started, "outcome": outcome, "restarts": self._restarts,
+        "attempts": self.attempts, "failures": self.failures, "excluded": self.excluded})
 
   def watch(self, attempt: int) -> dict:
     """Cluster mode: the scheduler started the workers; only their heartbeats are watched.
@@ -262,6 +293,7 @@ class Driver:
       group.procs.append(proc)
       group.logs.append(path)
       group.offsets.append(0)
+    self._claim(group.procs)
     if group.warm:
       self.say(f"attempt {attempt}: {group.warm} of {len(slots)} processes from warm standbys")
     return group
@@ -281,8 +313,8 @@ class Driver:
            "MSCALE_HEARTBEAT_TOKEN": self.token,
            "MSCALE_FAULTS": json.dumps([f.spec for f in o.faults if f.injected_by == WORKER]),
            "MSCALE_SELF_CHECK": "1" if o.self_check and attempt > 0 else "0",
-           "MSCALE_BAD_SLOT": "1" if any(f.kind == "bad_slot" and f.slot == slot
-                                         for f in o.faults) else "0"}
+           "MSCALE_BAD_SLOT": str(min([f.step for f in o.faults
+                                       if f.kind == "bad_slot" and f.slot == slot], default=0))}
     if o.compile_cache:
       env["MSCALE_COMPILE_CACHE"] = o.compile_cache_dir or os.path.join(self.state_dir,
                                                                         "compile_cache")
@@ -324,6 +356,7 @@ class Driver:
              if b.attempt == group.attempt}
     # A killed worker comes first: its peers' errors (a collective that lost its peer) follow
     # from it; then what workers said about themselves; then other exits.
+    self.injector.poll(group.procs, max((b.step for b, _ in beats.values()), default=0))
     codes = [p.poll() for p in group.procs]
     for rank, code in enumerate(codes):
       if code is not None and code < 0:
@@ -341,8 +374,9 @@ class Driver:
       if codes[rank] == 0:   # what a finished worker printed while its peers shut down
         continue
       line = self._new_fatal_line(group, rank, path)
-      if line:
-        return events.Failure(events.FATAL_LOG, rank, line)
+      if line:   # a coordination-service error names the peer it lost: that one is at fault
+        context = log_tail(path) if "coordination" in line else line
+        return events.Failure(events.FATAL_LOG, blamed_task(context, rank, len(codes)), line)
     return self.observer.observe(now) or self._check_progress(group, beats, now)
 
   def _new_fatal_line(self, group: _Group, rank: int, path: str) -> str | None:
@@ -405,7 +439,8 @@ class Driver:
   # -- after a failure -------------------------------------------------------------------
 
   def _record(self, failure: events.Failure, group: _Group) -> dict:
-    fired = self._fired_since(group.started)
+    self.injector.failure_detected()
+    fired = fired_since(self.state_dir, group.started)
     if fired:
       failure.happened_at = fired["time"]
       failure.step = failure.step or fired["step"]
@@ -420,16 +455,6 @@ class Driver:
     self.say(f"detected {failure.kind} on rank {failure.rank}: {failure.detail}"
              + (f" ({latency:.1f} s after the fault)" if latency is not None else ""))
     return record
-
-  def _fired_since(self, since: float) -> dict | None:
-    """The newest fault marker written since `since` (an injected fault's when and where)."""
-    markers = []
-    for path in glob.glob(os.path.join(self.state_dir, "faults", "*.json")):
-      with open(path) as f:
-        marker = json.load(f)
-      if marker["time"] >= since:
-        markers.append(marker)
-    return max(markers, key=lambda m: m["time"], default=None)
 
   def _repeats(self, record: dict) -> bool:
     if len(self.failures) < 2 or record.get("injected"):

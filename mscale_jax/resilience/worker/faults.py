@@ -10,6 +10,12 @@ program on NaN parameters made by a separate small program (`nan_program`), comp
 such a fault is armed; the real parameters are put back after the step. The step finds a non-finite
 loss and gradient norm, applies no update, and the non-finite policy takes over, exactly as for
 a NaN that arises in training.
+
+The `bad_slot` fault (MSCALE_BAD_SLOT=N, set by the driver for the processes on that slot)
+models a device or link that delivers wrong collective results from step N on: `corrupt_received`
+is what it does to data it receives. Training's copy of the updated parameters (what the
+gradient all-reduce delivered) and the self-check's all-gather pass through it alike, so the
+self-check finds a fault that really hurts training rather than one made for it.
 """
 import os
 import signal
@@ -96,6 +102,27 @@ class FaultInjector:
       if f.kind == "slow" and f.rank == self.rank and step >= f.step:
         time.sleep((f.factor - 1.0) * work)
         self._slow_since = time.perf_counter()
+
+
+def corrupt_received(x):
+  """`x` (a numpy or jax array) as a bad link delivers it: every 97th element off by 1 + |x|."""
+  import jax.numpy as jnp
+  flat = jnp.ravel(jnp.asarray(x))
+  bad = flat.at[::97].add(1.0 + jnp.abs(flat[::97]))
+  return bad.reshape(jnp.shape(x)).astype(flat.dtype)
+
+
+def bad_slot_marker(workdir: str, slot: int) -> str:
+  """The file saying slot `slot` has gone bad (written when training first reached the step)."""
+  return os.path.join(workdir, "resilience", "bad_slots", f"slot{slot}.json")
+
+
+def slot_is_bad(env, workdir: str) -> bool:
+  """Whether this process's slot is bad now: MSCALE_BAD_SLOT=N and N <= 1 or training on this
+  slot has reached step N (its marker exists)."""
+  step = int(env.get("MSCALE_BAD_SLOT", "0") or 0)
+  return step > 0 and (step <= 1 or os.path.exists(
+      bad_slot_marker(workdir, int(env.get("MSCALE_SLOT", "0")))))
 
 
 def nan_program(tree, shardings):

@@ -14,8 +14,8 @@ with `jax.distributed`) runs:
 The results are all-gathered, so every process reaches the same verdict (`judge`) without a
 round trip to the driver. They run inside the restarted group rather than in a separate job:
 on this machine that separate job cost as much as the restart itself. MSCALE_SELF_CHECK=1 asks
-a worker to run them (`self_check_if_asked`); MSCALE_BAD_SLOT=1 makes a process corrupt what it
-contributes (the `bad_slot` fault: a flaky link or device).
+a worker to run them (`self_check_if_asked`); on a bad slot (the `bad_slot` fault, faults.py)
+what the all-gather delivers to the process arrives corrupt, as training's results do there.
 """
 import json
 import logging
@@ -26,6 +26,7 @@ import time
 
 from mscale_jax.files import write_json
 from mscale_jax.resilience import events
+from mscale_jax.resilience.worker.faults import corrupt_received, slot_is_bad
 
 log = logging.getLogger("mscale_jax")
 
@@ -53,14 +54,15 @@ def probe_matmul(size: int = 384, repeats: int = 10) -> float:
 
 
 def probe_allgather(corrupt: bool, bandwidth_bytes: int = 1 << 22) -> dict:
-  """Correctness (ranks whose block arrived wrong) and bandwidth of a cross-process all-gather."""
+  """Correctness (ranks whose block arrived wrong here) and bandwidth of a cross-process
+  all-gather; `corrupt`: this process is on a bad slot (what it receives arrives corrupt)."""
   import numpy as np
   from jax.experimental import multihost_utils
   import jax
   rank, count = jax.process_index(), jax.process_count()
   expected = lambda r: np.arange(1024, dtype=np.float32) * (r + 1) + r   # noqa: E731
-  mine = expected(rank) + (1.0 if corrupt else 0.0)
-  gathered = np.asarray(multihost_utils.process_allgather(mine))
+  gathered = multihost_utils.process_allgather(expected(rank))
+  gathered = np.asarray(corrupt_received(gathered) if corrupt else gathered)
   wrong = [r for r in range(count) if not np.array_equal(gathered[r], expected(r))]
   big = np.full(bandwidth_bytes // 4, rank, np.float32)
   multihost_utils.process_allgather(big)   # warm-up (compiles)
@@ -94,20 +96,27 @@ def judge(results: dict[int, dict | None]) -> dict[int, str | None]:
   """{slot: None if healthy, else why it fails} from each slot's probe results (None: no result).
 
   A slot fails if it produced no result (crashed or hung), its matmul rate is below
-  MIN_RATE_FRACTION of the median, another slot saw its all-gather block arrive corrupt, or
-  its checkpoint-directory write failed.
+  MIN_RATE_FRACTION of the median, every slot saw its all-gather block arrive corrupt (it sends
+  wrong data), it saw a block corrupt that another slot received intact (what it receives is
+  wrong), or its checkpoint-directory write failed.
   """
   done = {s: r for s, r in results.items() if r is not None}
   rates = [r["matmul_gflops"] for r in done.values()]
   median = statistics.median(rates) if rates else 0.0
   slot_of_rank = {r["rank"]: s for s, r in done.items()}
-  blamed = {slot_of_rank.get(w) for r in done.values() for w in r["allgather"]["wrong_ranks"]}
+  seen_wrong = {s: set(r["allgather"]["wrong_ranks"]) for s, r in done.items()}
+  senders = {slot_of_rank.get(w) for w in set.intersection(*seen_wrong.values())} \
+      if seen_wrong else set()
+  receivers = {s for s, wrong in seen_wrong.items()
+               if any(w not in other for w in wrong for o, other in seen_wrong.items() if o != s)}
   verdict = {}
   for slot, r in results.items():
     if r is None:
       verdict[slot] = "no self-check result (the process crashed or hung)"
-    elif slot in blamed:
+    elif slot in senders:
       verdict[slot] = "its all-gather contribution arrived corrupt"
+    elif slot in receivers:
+      verdict[slot] = "the all-gather results it received were corrupt"
     elif r["matmul_gflops"] < MIN_RATE_FRACTION * median:
       verdict[slot] = (f"matmul rate {r['matmul_gflops']:.1f} GFLOP/s is below "
                        f"{MIN_RATE_FRACTION:.0%} of the median {median:.1f}")
@@ -173,7 +182,7 @@ def self_check_if_asked(heartbeats, workdir: str, env=None) -> None:
   verdict, _ = run_in_group(
       os.path.join(workdir, "resilience", f"selfcheck-{env.get('MSCALE_ATTEMPT', '0')}"),
       os.path.join(workdir, "checkpoints"), slot=int(env.get("MSCALE_SLOT", "0")),
-      corrupt=env.get("MSCALE_BAD_SLOT") == "1")
+      corrupt=slot_is_bad(env, workdir))
   failed = {slot: why for slot, why in verdict.items() if why}
   if failed:
     detail = "; ".join(f"slot {slot}: {why}" for slot, why in sorted(failed.items()))

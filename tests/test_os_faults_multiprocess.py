@@ -1,0 +1,81 @@
+"""Faults from outside the training code on real multi-process runs (2 processes x 4 CPU devices
+under the driver), through experiments/job.py: its own session, a hard timeout, everything left
+behind killed. Two launcher runs: one through a stopped worker, a read-only checkpoint directory
+and a corrupted checkpoint; one whose driver is killed and then run again. All `slow`.
+"""
+import json
+import os
+
+import pytest
+
+from experiments import job
+
+pytestmark = pytest.mark.slow
+
+TRAIN_ARGS = job.TINY_GPT + ["--config.train.steps=12", "--config.train.log_every=1",
+                             "--config.train.eval_every=12", "--config.train.checkpoint_every=4",
+                             "--config.optimizer.warmup_steps=1"]
+FLAGS = ["--heartbeat_s=0.5", f"--xla_flags={job.FAST_XLA}", "--hang_timeout_s=4",
+         "--hang_step_factor=1", "--nostandby", "--noself_check"]
+
+
+def logged_steps(workdir) -> list[int]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line)["step"] for line in f]
+
+
+def test_stop_io_error_and_a_corrupt_checkpoint_are_recovered(tmp_path):
+  """  0  rank 1 is stopped (SIGSTOP) at step 3: a hang, blamed on rank 1
+       1  the checkpoint folder turns read-only at step 5: step 8's save fails, clearly
+       2  at step 10 step 8's checkpoint is corrupted on disk and rank 0 killed
+       3  the restart finds the checksum wrong, sets step 8 aside, restores step 4; completes
+  """
+  result = job.run(str(tmp_path), [*FLAGS, "--fault=stop:rank=1:step=3",
+                                   "--fault=io_error:step=5",
+                                   "--fault=corrupt_checkpoint:rank=0:step=10"],
+                   TRAIN_ARGS, timeout_s=480)
+  assert not result.timed_out and not result.leftovers, result.tail()
+  report = result.report
+  assert result.status == 0 and report["completed"], result.tail()
+  stop, io, corrupt = report["failures"]
+  assert stop["injected"] == "stop:rank=1:step=3" and stop["rank"] == 1, stop
+  assert io["injected"] == "io_error:rank=0:step=5:seconds=0.0"
+  assert io["kind"] == "exception" and "CheckpointWriteError" in io["detail"], io
+  assert "latest complete checkpoint is still step 4" in io["detail"]
+  assert io["restore_step"] == 4
+  assert corrupt["injected"] == "corrupt_checkpoint:rank=0:step=10"
+  assert (corrupt["kind"], corrupt["rank"]) == ("exited", 0)
+  # The newest checkpoint with a manifest when the fault fired (8, or 4 if 8's background write
+  # was still going) fails its checksum: the restart restores the one before it.
+  marker = json.loads((tmp_path / "resilience" / "faults" /
+                       "2-corrupt_checkpoint-driver.json").read_text())
+  corrupted = int(marker["checkpoint"])
+  assert corrupt["restore_step"] == corrupted - 4
+  aside = os.listdir(tmp_path / "checkpoints_corrupt")
+  assert len(aside) == 1 and aside[0].startswith(f"{corrupted}-")
+  logs = "".join(open(tmp_path / "logs" / f"attempt{report['attempts'][-1]['attempt']}"
+                      f"-rank0.log").readlines())
+  assert f"checkpoint step {corrupted} is corrupt" in logs
+  assert logged_steps(tmp_path) == list(range(1, 13))
+
+
+def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path):
+  flags = [*FLAGS, "--fault=kill_driver:step=5"]
+  first = job.run(str(tmp_path), flags, TRAIN_ARGS, timeout_s=300, keep_orphans=True)
+  try:
+    assert first.status == -9, first.tail()
+    assert first.leftovers, "the dead driver's workers should still run"
+    second = job.run(str(tmp_path), flags, TRAIN_ARGS, timeout_s=300)
+    assert not second.timed_out and not second.leftovers, second.tail()
+    assert all(not os.path.exists(f"/proc/{pid}") or
+               open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+               for pid in first.leftovers), "the second driver must end the first one's workers"
+  finally:
+    job.end_session(first.session)
+  report = second.report
+  assert second.status == 0 and report["completed"], second.tail()
+  [lost] = report["failures"]
+  assert lost["kind"] == "driver_lost" and lost["injected"] == "kill_driver:step=5"
+  assert lost["restore_step"] in (4, 8)
+  assert [a["failure"] for a in report["attempts"]] == ["driver_lost", None]
+  assert logged_steps(tmp_path) == list(range(1, 13))   # no step twice, none missing
