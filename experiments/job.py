@@ -89,7 +89,7 @@ def run(workdir: str, launcher_flags=(), train_flags=(), *, timeout_s: float,
     pass
   finally:
     if status is not None:
-      leftovers = [pid for pid in _session_processes(proc.pid) if pid != proc.pid]
+      leftovers = [pid for pid in session_processes(proc.pid) if pid != proc.pid]
     if keep_orphans and status is not None and status < 0:
       proc.wait()
     else:
@@ -113,7 +113,7 @@ def _copy(stream, path: str, lines: list[str], echo: bool) -> None:
 def end_session(sid: int) -> None:
   """SIGKILLs every process left in session `sid` (a launcher's, kept with keep_orphans)."""
   for _ in range(50):
-    alive = _session_processes(sid)
+    alive = session_processes(sid)
     if not alive:
       return
     for pid in alive:
@@ -135,7 +135,7 @@ def _kill_session(proc: subprocess.Popen) -> None:
   proc.wait()
 
 
-def _session_processes(sid: int) -> list[int]:
+def session_processes(sid: int) -> list[int]:
   """Live (not zombie) processes whose session is `sid`."""
   pids = []
   for entry in filter(str.isdigit, os.listdir("/proc")):

@@ -10,20 +10,9 @@ import time
 
 import pytest
 
+from experiments import job
+
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_worker.py")
-
-
-def _session(sid: int) -> list[int]:
-  pids = []
-  for entry in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{entry}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-      continue
-    if int(fields[3]) == sid and fields[0] != "Z":
-      pids.append(int(entry))
-  return pids
 
 
 def drive(tmp_path, plan: dict, timeout_s: float = 60, **options):
@@ -43,7 +32,7 @@ def drive(tmp_path, plan: dict, timeout_s: float = 60, **options):
   except subprocess.TimeoutExpired:
     proc.kill()
     output = proc.communicate()[0]
-  left = [p for p in _session(proc.pid) if p != proc.pid]
+  left = [p for p in job.session_processes(proc.pid) if p != proc.pid]
   for pid in left:
     os.kill(pid, signal.SIGKILL)
   assert proc.returncode is not None and proc.returncode >= 0, f"timed out:\n{output[-3000:]}"
