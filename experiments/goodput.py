@@ -60,8 +60,10 @@ def drill_section(pattern: str) -> tuple:
   lines = ["## Validation: our fault drills replayed", "",
            "Fed each drill's fault schedule and measured costs (see `mscale_jax/goodput/drill.py`"
            "), the simulator predicts the drill's effective training time rate. 'events only' "
-           "uses the itemised costs alone; the prediction adds the fault-free run's residual "
-           "time per step (evaluations, logging, shutdown: not itemised in these records).", "",
+           "uses the itemised costs alone; the prediction adds a residual time per step: the "
+           "run's own evaluations and step time over the fed iteration time where the record "
+           "measures them (newer records), else the fault-free reference run's wall time less "
+           "its simulation (evaluations, logging, slower steps, shutdown).", "",
            "| record | faults | measured | events only | predicted | difference (points) | "
            "steps lost: predicted / recorded | residual from |",
            "|---|---|---|---|---|---|---|---|"]

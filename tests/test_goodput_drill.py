@@ -53,7 +53,10 @@ def _figures(**extra):
                "steps_lost": 3, "phases": {"detection": 6.0, "self_check": 0.5, "restore": 0.3,
                                            "process_start": 1.2}},
               # a slow machine that never forced a restart: nothing to replay
-              {"injected": "contend:rank=1:step=40", "kind": "slow"}],
+              {"injected": "contend:rank=1:step=40", "kind": "slow"},
+              # found by the self-check of another fault's restart
+              {"injected": "bad_slot:slot=1:step=9", "kind": "self_check_failed",
+               "found_while_recovering_from": "kill:rank=1:step=13"}],
           **extra}
 
 
@@ -68,8 +71,10 @@ def test_the_reader_takes_other_field_names_and_new_fault_kinds(tmp_path):
   assert first.restart_s == pytest.approx(3.5 - 1.0 - 0.5)   # less self-check and first step
   assert (second.at_iteration, second.detection_s, second.diagnosis_s) == (23, 6.0, 0.5)
   assert second.restart_s == pytest.approx(1.5) and second.name == "hang"
-  assert case.unplaced == (("contend:rank=1:step=40",
-                            "no detection or restart time recorded (no restart to simulate)"),)
+  assert case.unplaced == (
+      ("contend:rank=1:step=40", "no detection or restart time recorded (no restart to simulate)"),
+      ("bad_slot:slot=1:step=9", "found by the self-check of kill:rank=1:step=13's restart: its "
+                                 "cost is in that restart"))
   assert case.reference_wall_s is None and case.startup_s == 0.0
   pred = drill.predict(case)
   assert pred.lost == (2, 3) and pred.residual_per_step_s is None
@@ -165,6 +170,10 @@ def test_a_run_that_itemises_its_own_residual_is_fed_it_not_the_reference_runs(t
       tmp_path, "m", _figures(reference_wall_s=40.0, where_time_went={"other_split": split}),
       command="--checkpoint_every=5"))
   assert case.own_residual_s == pytest.approx(-5.0)
+  contend = drill.read_case(_record(tmp_path, "n", _figures(faults=[
+      {"injected": "contend:rank=1:step=30:seconds=30.0", "kind": "not flagged",
+       "detected": False, "phases": {"slowdown_s": 1.0}}]), command="--checkpoint_every=5"))
+  assert contend.faults == () and "slowdown is in the run's step times" in contend.unplaced[0][1]
   pred = drill.predict(case)
   assert pred.residual_from.startswith("this run")
   # 65 iterations run (2 + 3 replayed); the events alone take 48.8 s (see the test above).

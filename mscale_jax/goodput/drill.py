@@ -140,6 +140,11 @@ def _fault(fault: dict, iteration_s: float):
     restart = sum(p for p in parts if p is not None) if any(p is not None for p in parts) \
         else None
   if detection is None or restart is None:
+    if fault.get("found_while_recovering_from"):
+      return None, (f"found by the self-check of {fault['found_while_recovering_from']}'s "
+                    "restart: its cost is in that restart")
+    if _phase(fault, "slowdown_s") is not None:
+      return None, "slowed the job, no restart: its slowdown is in the run's step times"
     return None, "no detection or restart time recorded (no restart to simulate)"
   name = str(fault.get("kind") or spec_kind(fault))
   # Nothing lost though it struck on a save step: that save was written before it struck.
