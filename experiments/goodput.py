@@ -19,7 +19,9 @@ Sections (--questions, comma-separated; default all):
   assumptions  every input no source gives (status 'assumed'), halved and doubled: how far it
                moves the result it feeds.
 Every input is in mscale_jax/goodput/sources.py with its source (results/goodput/inputs.md).
-Writes goodput.md, inputs.md, PNG plots and a JSON record (device 'model') to --out_dir.
+Writes goodput.md (all sections), inputs.md, PNG plots and a JSON record (device 'model') to
+--out_dir. A run of some sections only writes its report as <sections>.md (e.g. drill.md for
+--questions=drill), so the full report stays whole.
 """
 import dataclasses
 import os
@@ -58,8 +60,10 @@ def drill_section(pattern: str) -> tuple:
   lines = ["## Validation: our fault drills replayed", "",
            "Fed each drill's fault schedule and measured costs (see `mscale_jax/goodput/drill.py`"
            "), the simulator predicts the drill's effective training time rate. 'events only' "
-           "uses the itemised costs alone; the prediction adds the fault-free run's residual "
-           "time per step (evaluations, logging, shutdown: not itemised in these records).", "",
+           "uses the itemised costs alone; the prediction adds a residual time per step: the "
+           "run's own evaluations and step time over the fed iteration time where the record "
+           "measures them (newer records), else the fault-free reference run's wall time less "
+           "its simulation (evaluations, logging, slower steps, shutdown).", "",
            "| record | faults | measured | events only | predicted | difference (points) | "
            "steps lost: predicted / recorded | residual from |",
            "|---|---|---|---|---|---|---|---|"]
@@ -388,7 +392,8 @@ def define_flags() -> None:
 
 def run(out_dir: str, questions, seeds: int, days: float, drill_records: str,
         quick: bool = False) -> dict:
-  """Runs the chosen sections; writes goodput.md, inputs.md, plots and a record."""
+  """Runs the chosen sections; writes their report (goodput.md for all of them, else
+  <sections>.md: see `report_name`), inputs.md, plots and a record."""
   from experiments import goodput_plots
   from experiments.results import write_record
   unknown = [q for q in questions if q not in SECTIONS]
@@ -429,7 +434,8 @@ def run(out_dir: str, questions, seeds: int, days: float, drill_records: str,
   if "assumptions" in questions:
     text, figures["assumptions"] = assumption_section(seed_list, hours)
     md.append(text)
-  with open(os.path.join(out_dir, "goodput.md"), "w") as f:
+  report = os.path.join(out_dir, report_name(questions))
+  with open(report, "w") as f:
     f.write("\n".join(md))
   with open(os.path.join(out_dir, "inputs.md"), "w") as f:
     f.write("# Inputs of the goodput presets\n\n" + sources.markdown_table())
@@ -439,8 +445,16 @@ def run(out_dir: str, questions, seeds: int, days: float, drill_records: str,
                         extra={"inputs": {k: dataclasses.asdict(v)
                                           for k, v in sources.INPUTS.items()},
                                "plots": plots})
-  log(f"wrote {out_dir}/goodput.md, inputs.md, {len(plots)} plots and {record}")
-  return {"figures": figures, "record": record, "plots": plots}
+  log(f"wrote {report}, inputs.md, {len(plots)} plots and {record}")
+  return {"figures": figures, "record": record, "plots": plots, "report": report}
+
+
+def report_name(questions) -> str:
+  """goodput.md for a run of every section; otherwise one named after the sections run
+  ('drill.md'), so a partial run never overwrites the full report."""
+  if set(questions) >= set(SECTIONS):
+    return "goodput.md"
+  return "-".join(q for q in SECTIONS if q in questions) + ".md"
 
 
 def main(argv):

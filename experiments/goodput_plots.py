@@ -23,14 +23,16 @@ def drill(path: str, preds) -> str:
   fig, ax = plt.subplots(figsize=(8, 0.9 + 0.75 * max(1, len(preds))))
   labels, y = [], 0
   for p in preds:
-    rows = [("predicted", p.breakdown, p.case.measured_wall_s)]
+    rows = [("predicted", p.breakdown, sum(p.breakdown.values()))]
     if p.case.measured_breakdown:
       rows.insert(0, ("measured", p.case.measured_breakdown, p.case.measured_wall_s))
-    for kind, split, _ in rows:
-      total = sum(split.get(k, 0.0) for k in DRILL_COLORS)
+    for kind, split, wall in rows:
       left = 0.0
       for k, color in DRILL_COLORS.items():
-        width = split.get(k, 0.0) / total if total else 0.0
+        width = split.get(k, 0.0) / wall if wall else 0.0
+        if width < 0:   # parts that overlap (faster steps than fed, double counts): left of 0
+          ax.barh(y, width, left=0.0, color=color, hatch="//", edgecolor="white")
+          continue
         ax.barh(y, width, left=left, color=color, label=k if y == 0 else None)
         left += width
       rate = p.case.measured_rate if kind == "measured" else p.rate
@@ -40,7 +42,8 @@ def drill(path: str, preds) -> str:
       labels[-1] = labels[-1] + f" vs {100 * p.case.measured_rate:.1f}% measured"
   ax.set_yticks(range(len(labels)), labels, fontsize=7)
   ax.invert_yaxis()
-  ax.set_xlabel("share of wall time")
+  ax.axvline(1.0, color="black", lw=0.6, ls=":")
+  ax.set_xlabel("share of wall time (hatched, left of 0: a negative 'other_s')")
   ax.set_title("fault drills: measured vs simulated split of wall time", fontsize=9)
   ax.legend(fontsize=7, ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.06))
   return _save(fig, path)

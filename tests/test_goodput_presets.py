@@ -80,9 +80,17 @@ def test_goodput_adjusted_throughput_for_plan():
 
 
 def test_the_experiment_replays_the_drills_and_writes_its_outputs(tmp_path):
+  full = tmp_path / "goodput.md"
+  full.write_text("# the full report, from a run of every section\n")
   out = goodput.run(str(tmp_path), ["drill"], seeds=2, days=1.0, drill_records=DRILLS)
   names = set(os.listdir(tmp_path))
-  assert {"goodput.md", "inputs.md", "drill_validation.png"} <= names
+  assert {"drill.md", "inputs.md", "drill_validation.png"} <= names
+  assert out["report"] == str(tmp_path / "drill.md")
+  assert "## Validation: our fault drills replayed" in (tmp_path / "drill.md").read_text()
+  # A partial run leaves the full report alone.
+  assert full.read_text() == "# the full report, from a run of every section\n"
+  assert goodput.report_name(list(goodput.SECTIONS)) == "goodput.md"
+  assert goodput.report_name(["scale", "calibration"]) == "calibration-scale.md"
   record = json.load(open(out["record"]))
   assert len(record["figures"]["drill"]["records"]) == len(glob.glob(DRILLS))
   assert record["device"]["platform"] == "model" and "inputs" in record

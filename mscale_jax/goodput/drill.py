@@ -5,10 +5,16 @@ What the simulator is given, all measured in the record: the fault-free iteratio
 checkpoint cadence, the stall of the first save after a start and of the others, the
 background write time; the start-up time; for each fault, the step it struck (from its
 injection spec), its detection latency, its self-check time and its restart time (detection to
-the end of the first new step, less the self-check and that step). What it predicts: which
-checkpoint each restart falls back to (so the replayed steps), how many saves run (replays
-save again), and the wall time and its split. Time the record does not itemise (evaluations,
-logging, slower steps, shutdown) is taken from the fault-free reference run: its wall time
+the end of the first new step, less the self-check and that step). A fault the driver injects
+from outside fires on the step a heartbeat reported, seconds late: it is placed at the step
+logged last before its restart (restore step + steps lost) and, where that restart lost
+nothing, after the save in flight was written; a corrupt_checkpoint fault makes the newest
+written checkpoint unusable. What it predicts: which checkpoint each restart falls back to (so
+the replayed steps), how many saves run (replays save again), and the wall time and its split.
+Time the record does not itemise as fault costs is, where the run measured it itself
+(where_time_went.other_split: evaluations, and its steps' time over the fed iteration time,
+which is negative when they ran faster than the reference's), taken from there; otherwise from
+the fault-free reference run (evaluations, logging, slower steps, shutdown): its wall time
 minus the simulated fault-free run, per step. When a record lacks the reference's wall time, a
 record measured against the same reference run (same reference workdir and iteration time)
 lends it; without a reference, records measuring evaluations directly (a 'where_time_went' key
@@ -52,6 +58,7 @@ class DrillCase:
   reference_wall_s: float | None
   reference_from: str           # where reference_wall_s came from
   evaluation_s: float | None    # evaluations measured in the faulty run, if recorded
+  own_residual_s: float | None = None   # the faulty run's own itemised residual, if recorded
   notes: tuple = ()
   specs: tuple = ()             # the injection spec of each placed fault
 
@@ -95,6 +102,11 @@ def _placement(fault: dict) -> tuple:
   # Where it actually struck: a driver-injected fault once a rank reported step N done, a
   # worker's before step N runs (or during step N's save).
   fired = _number(fault.get("injected_step"))
+  restore, lost = _number(fault.get("restore_step")), _number(fault.get("steps_lost"))
+  if fault.get("by") == "driver" and restore is not None and lost is not None:
+    # The driver fires on the step a heartbeat reported (every few seconds), so the fault
+    # strikes at or after it: the last step logged before the restart says where training stood.
+    return int(restore + lost), during_save, "its restore step + steps lost (driver-injected)"
   if fired is not None:
     done = fault.get("by") == "driver" or during_save
     return int(fired) - (0 if done else 1), during_save, "the step it was injected at"
@@ -105,7 +117,6 @@ def _placement(fault: dict) -> tuple:
   step = _number(fault.get("step"), fault.get("injected_step"))
   if step is not None:
     return step - 1, during_save, "its recorded step"
-  restore, lost = _number(fault.get("restore_step")), _number(fault.get("steps_lost"))
   if restore is not None and lost is not None:
     return restore + lost, during_save, "its recorded restore step + steps lost"
   return None, False, "no injection step, step or restore point recorded"
@@ -129,10 +140,18 @@ def _fault(fault: dict, iteration_s: float):
     restart = sum(p for p in parts if p is not None) if any(p is not None for p in parts) \
         else None
   if detection is None or restart is None:
+    if fault.get("found_while_recovering_from"):
+      return None, (f"found by the self-check of {fault['found_while_recovering_from']}'s "
+                    "restart: its cost is in that restart")
+    if _phase(fault, "slowdown_s") is not None:
+      return None, "slowed the job, no restart: its slowdown is in the run's step times"
     return None, "no detection or restart time recorded (no restart to simulate)"
   name = str(fault.get("kind") or spec_kind(fault))
-  return ScheduledFault(at, name, detection, diagnosis or 0.0, max(0.0, restart),
-                        during_save), how
+  # Nothing lost though it struck on a save step: that save was written before it struck.
+  written = fault.get("by") == "driver" and _number(fault.get("steps_lost")) == 0
+  return ScheduledFault(at, name, detection, diagnosis or 0.0, max(0.0, restart), during_save,
+                        saves_written=written,
+                        newest_corrupt=spec_kind(fault) == "corrupt_checkpoint"), how
 
 
 def spec_kind(fault: dict) -> str:
@@ -179,6 +198,7 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
   if reference is None and records:
     reference, source = _borrow_reference(path, record, records)
   evaluation = _number(*[v for k, v in where.items() if "eval" in k.lower()])
+  own = _own_residual(figures.get("where_time_went") or {})
   return DrillCase(
       path=path, steps=int(steps), iteration_s=iteration_s, checkpoint_every=every,
       stall_s=stall, first_stall_s=first_stall,
@@ -187,7 +207,20 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
       measured_rate=float(figures["effective_training_time_rate"]),
       measured_wall_s=float(figures["wall_s"]), measured_breakdown=where,
       reference_wall_s=reference, reference_from=source, evaluation_s=evaluation,
+      own_residual_s=own,
       notes=tuple(notes), specs=tuple(specs))
+
+
+def _own_residual(where: dict) -> float | None:
+  """Evaluations plus the steps' time over the fed iteration time, both measured in the faulty
+  run itself (fault_drill's where_time_went.other_split), or None where either is missing. A
+  contend fault's slowdown is inside the second (the record counts it there too); checkpoint
+  stalls are left out (the simulator runs the saves) and so is 'unaccounted_s' (the prediction's
+  job)."""
+  split = where.get("other_split") if isinstance(where.get("other_split"), dict) else {}
+  evaluation = _number(split.get("evaluation_s"))
+  slower = _number(split.get("steps_slower_than_steady_s"))
+  return None if evaluation is None or slower is None else evaluation + slower
 
 
 def _borrow_reference(path: str, record: dict, records: dict) -> tuple:
@@ -263,12 +296,14 @@ def predict(case: DrillCase) -> Prediction:
   """Replays `case`: events only, then with the per-step residual of the fault-free run."""
   events = simulate(job_for(case), iterations=case.steps, faults=case.faults)
   residual, source = None, "none: the record has no fault-free reference and no evaluations"
-  if case.reference_wall_s is not None:   # covers evaluations, logging, slower steps alike
+  ran = case.steps + sum(x or 0 for x in case.recorded_lost)
+  if case.own_residual_s is not None:    # this run's own, not a reference run on another load
+    residual, source = case.own_residual_s / ran, "this run's evaluations and step times"
+  elif case.reference_wall_s is not None:   # covers evaluations, logging, slower steps alike   # covers evaluations, logging, slower steps alike
     fault_free = simulate(job_for(case), iterations=case.steps).wall_s
     residual = max(0.0, case.reference_wall_s - fault_free) / case.steps
     source = f"fault-free reference run ({case.reference_from})"
   elif case.evaluation_s is not None:
-    ran = case.steps + sum(x or 0 for x in case.recorded_lost)
     residual, source = case.evaluation_s / ran, "evaluations measured in this run"
   out = events if residual is None else simulate(
       job_for(case, residual), iterations=case.steps, faults=case.faults)

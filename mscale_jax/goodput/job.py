@@ -90,7 +90,9 @@ class Job:
   """One synchronous training job on `nodes` nodes (any node's failure stops all of them).
 
   overhead_per_iteration_s: fault-free wall time per iteration outside `iteration_s` (periodic
-    evaluation, logging), charged to every iteration run, replayed ones included.
+    evaluation, logging), charged to every iteration run, replayed ones included. Negative
+    (above -iteration_s) when the iterations ran faster than `iteration_s` says: a drill fed the
+    fault-free run's iteration time whose own steps ran faster.
   """
   nodes: int
   iteration_s: float
@@ -146,9 +148,11 @@ def validate(job: Job) -> Job:
   for obj, prefix in ((job.detection, "detection"), (job.recovery, "recovery"),
                       (job.checkpointing, "checkpointing")):
     _nonnegative(obj, prefix)
-  if job.startup_s < 0 or job.overhead_per_iteration_s < 0:
-    raise ConfigError("startup_s/overhead_per_iteration_s",
-                      (job.startup_s, job.overhead_per_iteration_s), "durations >= 0")
+  if job.startup_s < 0:
+    raise ConfigError("startup_s", job.startup_s, "a duration >= 0")
+  if not job.overhead_per_iteration_s > -job.iteration_s:
+    raise ConfigError("overhead_per_iteration_s", job.overhead_per_iteration_s,
+                      f"seconds > -iteration_s ({-job.iteration_s:g}): iterations take time")
   if not job.checkpointing.every_s > 0:
     raise ConfigError("checkpointing.every_s", job.checkpointing.every_s, "a duration > 0")
   if job.checkpointing.memory_every_s is not None and not job.checkpointing.memory_every_s > 0:

@@ -50,6 +50,10 @@ class ScheduledFault:
   during_save: it strikes during the save at `at_iteration`, which is then lost.
   detection_s, diagnosis_s: measured latencies; restart_s: diagnosis end to training again
     (process start, restore, replacement included).
+  saves_written: the saves still persisting when it strikes are written all the same (it struck
+    once they were, e.g. a fault from outside that fires on a late heartbeat).
+  newest_corrupt: the newest durable checkpoint is unusable (corrupted), so the restart restores
+    the one before it.
   """
   at_iteration: float
   name: str
@@ -57,6 +61,8 @@ class ScheduledFault:
   diagnosis_s: float
   restart_s: float
   during_save: bool = False
+  saves_written: bool = False
+  newest_corrupt: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +357,10 @@ class _Run:
         return event
       cause = self._cause(event)
     self._snapshot_memory()
-    self._settle(self.t)
+    fault = event[1] if event[0] == "fault" else None
+    self._settle(math.inf if fault and fault.saves_written else self.t)
+    if fault and fault.newest_corrupt:
+      self.durable = max(0.0, self.durable - self.job.checkpoint_every)
     while True:
       use_memory = self.memory is not None and self.memory >= self.durable
       restart = cause.restart_s
