@@ -18,8 +18,6 @@ is a false positive. Also timed: the compute time of one Minder check over all m
 paper's 3.6 s is, as we read it, the time of one detection pass on pulled data).
 """
 import dataclasses
-import json
-import os
 import time
 
 from absl import app, flags

@@ -71,7 +71,7 @@ def assign(lifetimes: dict) -> tuple[dict, int]:
 def forward_only(table: schedule_lib.Table) -> schedule_lib.Table:
   """The forwards of `table` alone, each as early as its input allows in the table's order
   (an evaluation step: no backward, no stash). Same chunks, stages and message rules."""
-  p, v, lat = table.stages, table.virtual, table.latency
+  p, lat = table.stages, table.latency
   orders, starts = [], []
   for s in range(p):
     orders.append(tuple(a for a in table.orders[s] if a.kind == schedule_lib.FORWARD))
