@@ -33,6 +33,7 @@ class Op(NamedTuple):
 
   @property
   def pool(self) -> str:
+    """The stash pool this op uses: the model's last chunk has its own."""
     return LAST if self.last else MAIN
 
 
@@ -52,6 +53,7 @@ class Plan:
 
   @property
   def split_backward(self) -> bool:
+    """Whether the table splits the backward into B and W (zero bubble)."""
     return any(op.kind == schedule_lib.WEIGHT for op in self.ops)
 
 

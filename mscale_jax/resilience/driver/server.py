@@ -259,6 +259,7 @@ class HeartbeatServer:
       self._say(f"heartbeat endpoint: rejected a request from {message}{more}")
 
   def receive(self, beat: events.Heartbeat) -> None:
+    """Stores an accepted heartbeat as its rank's latest and hands it to every listener."""
     received = time.time()
     with self._lock:
       self._latest[beat.rank] = (beat, received)
