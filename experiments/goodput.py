@@ -159,9 +159,9 @@ def llama3_case(seeds, u0_minutes=(1, 2, 5, 10, 15, 20, 30)) -> tuple:
                  "hourly_rate_mean": hourly.mean})
   ok = [r["u0_min"] for r in rows if r["rate_p05"] > 0.9]
   hourly = [r["u0_min"] for r in rows if r["hourly_rate_mean"] > 0.9]
-  lines = [f"- **Llama 3** (claim: higher than 90%): 16,384 GPUs for 54 days with its 466 "
-           f"interruptions by kind (Table 5; 47 planned, which lose no work). The report gives no "
-           f"recovery time or checkpoint interval, so both were varied:", "",
+  lines = ["- **Llama 3** (claim: higher than 90%): 16,384 GPUs for 54 days with its 466 "
+           "interruptions by kind (Table 5; 47 planned, which lose no work). The report gives no "
+           "recovery time or checkpoint interval, so both were varied:", "",
            "  | recovery overhead u0 (min) | best interval (min) | rate at best (5-95%) | "
            "rate, hourly checkpoints |", "  |---|---|---|---|"]
   for r in rows:

@@ -36,6 +36,7 @@ def phase_table(path: str, first: int, last: int) -> dict:
 
 
 def stats(x: np.ndarray, total: np.ndarray) -> dict:
+  """Mean, median, share of the iteration `total` and spread (CV, MAD-based CV) of phase `x`."""
   med = float(np.median(x))
   return {"mean_s": float(x.mean()), "median_s": med,
           "fraction_of_iteration": float(x.mean() / total.mean()),

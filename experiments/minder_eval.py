@@ -18,8 +18,6 @@ is a false positive. Also timed: the compute time of one Minder check over all m
 paper's 3.6 s is, as we read it, the time of one detection pass on pulled data).
 """
 import dataclasses
-import json
-import os
 import time
 
 from absl import app, flags
@@ -86,6 +84,7 @@ def minder_checks(minder: Minder, metrics: dict, *, timed_checks: int = 20
 
 
 def replay_minder(minder: Minder, checks: list, means: dict) -> list:
+  """Runs the online detector over precomputed checks; returns its flags (second, rank, metric)."""
   detector = MinderDetector(minder)
   out = []
   for i, (t, tops) in enumerate(checks):
@@ -117,6 +116,8 @@ def replay_threshold(metrics: dict, *, threshold: float, window: int) -> list:
 # ---- scoring (the only code that reads labels) ----
 
 def score(flags_: list, faults: list) -> dict:
+  """Matches flags to labelled faults (same machine, onset to end + GRACE_S): true and false
+  positives, repeat flags, precision/recall/F1 and onset-to-flag latency, overall and per kind."""
   detected, tp, fp, dup = {}, 0, 0, 0
   for t, machine, metric in flags_:
     hit = next((i for i, f in enumerate(faults)
@@ -146,6 +147,7 @@ def score(flags_: list, faults: list) -> dict:
 
 
 def pooled(results: list) -> dict:
+  """`score` results of several traces, counted together."""
   tp = sum(r["true_positives"] for r in results)
   fp = sum(r["false_positives"] for r in results)
   n = sum(r["faults"] for r in results)
@@ -184,6 +186,8 @@ def priority_episodes(minder: Minder, traces: list) -> tuple[np.ndarray, np.ndar
 
 
 def choose_minder(minder, checks_means, faults_list):
+  """Grid search of Minder's continuity, ratio and floor on validation traces (best F1, then
+  lowest latency); returns (setting, its pooled score)."""
   best = None
   for continuity in (6, 12, 24):
     for ratio in (1.5, 2.0, 2.5, 3.0, 4.0):
@@ -198,6 +202,7 @@ def choose_minder(minder, checks_means, faults_list):
 
 
 def choose_threshold(traces):
+  """The same for the threshold detector's threshold and window."""
   best = None
   for threshold in (0.05, 0.1, 0.2):
     for window in (5, 10, 20):

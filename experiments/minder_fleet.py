@@ -82,6 +82,7 @@ CALIBRATION = Calibration()
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
+  """One labelled fault: which kind, on which machine, from `onset` to `end` (seconds)."""
   kind: str
   machine: int
   onset: int          # second the fault starts to show
@@ -91,6 +92,7 @@ class Fault:
 
 @dataclasses.dataclass
 class Trace:
+  """A generated fleet trace: the metric arrays a detector sees, and the labels it does not."""
   metrics: dict       # {metric: float32 [machines, seconds]}: all a detector sees
   faults: list        # [Fault]: the labels, for the scorer only
   blips: list         # [(machine, metric, start, seconds)]: healthy jitter

@@ -49,6 +49,7 @@ def worker_pids(workdir: str) -> dict[int, int]:
 
 
 def hog(victim: int, seconds: float) -> None:
+  """Pins `victim` and a busy child process to one core for `seconds`, then restores its affinity."""
   core = sorted(os.sched_getaffinity(victim))[0]
   before = os.sched_getaffinity(victim)
   pid = os.fork()
@@ -69,6 +70,7 @@ def hog(victim: int, seconds: float) -> None:
 
 
 def throttle(victim: int, seconds: float) -> None:
+  """SIGSTOPs `victim` half of every second for `seconds` (always leaving it continued)."""
   end = time.time() + seconds
   try:
     while time.time() < end:

@@ -77,6 +77,7 @@ class _Layout:
     self.loss = float(metrics["loss"])
 
   def run(self, steps: int) -> float:
+    """Seconds for `steps` train steps, synchronised at the end."""
     import jax
     start = time.perf_counter()
     for _ in range(steps):

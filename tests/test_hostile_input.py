@@ -3,7 +3,6 @@ run against a live driver supervising a real 2-process job (which must not notic
 import http.client
 import json
 import logging
-import os
 import random
 import socket
 import threading

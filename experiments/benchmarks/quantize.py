@@ -7,7 +7,6 @@ value; dequantize: the reverse), the same for both implementations. The XLA vers
 `reference_quantize` / `reference_dequantize` under jit (transform as a matmul, as the kernel).
 """
 import jax
-import jax.numpy as jnp
 
 from experiments.timing import time_fn
 from pallas_kernels import quantize as qk

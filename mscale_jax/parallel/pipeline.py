@@ -415,6 +415,7 @@ class _Pools:
     return [pools[op.pool][k][slot] for k in self.layout[op.first, op.last]]
 
   def write(self, pools: dict, record: dict, slots: dict) -> dict:
+    """`pools` with `record` written into slot `slots[pool]` of each pool."""
     return {pool: [a.at[slots[pool]].set(r) for a, r in zip(arrays, record[pool])]
             for pool, arrays in pools.items()}
 

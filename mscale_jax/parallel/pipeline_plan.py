@@ -33,6 +33,7 @@ class Op(NamedTuple):
 
   @property
   def pool(self) -> str:
+    """The stash pool this op uses: the model's last chunk has its own."""
     return LAST if self.last else MAIN
 
 
@@ -52,6 +53,7 @@ class Plan:
 
   @property
   def split_backward(self) -> bool:
+    """Whether the table splits the backward into B and W (zero bubble)."""
     return any(op.kind == schedule_lib.WEIGHT for op in self.ops)
 
 
@@ -71,7 +73,7 @@ def assign(lifetimes: dict) -> tuple[dict, int]:
 def forward_only(table: schedule_lib.Table) -> schedule_lib.Table:
   """The forwards of `table` alone, each as early as its input allows in the table's order
   (an evaluation step: no backward, no stash). Same chunks, stages and message rules."""
-  p, v, lat = table.stages, table.virtual, table.latency
+  p, lat = table.stages, table.latency
   orders, starts = [], []
   for s in range(p):
     orders.append(tuple(a for a in table.orders[s] if a.kind == schedule_lib.FORWARD))

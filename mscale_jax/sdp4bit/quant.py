@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mscale_jax.config import SDP4BIT_BITS as BITS
-
 FULL_BITS = (16, 32)                    # bfloat16 on the wire; float32 (no quantization)
 
 

@@ -30,6 +30,7 @@ _TRIP = re.compile(r'known_trip_count[^0-9]*([0-9]+)')
 
 @dataclasses.dataclass
 class Collective:
+  """One collective op of a compiled program: its kind, bytes, group size and executions."""
   kind: str
   operand_bytes: float       # per device, per execution
   group: int                 # devices taking part together

@@ -13,3 +13,5 @@ labelled (experiments/minder_fleet.py) is nowhere in this package.
 """
 from mscale_jax.observability.minder.detector import (Minder, MinderConfig, MinderDetector,
                                                       MinderFlag, episode_features)
+
+__all__ = ["Minder", "MinderConfig", "MinderDetector", "MinderFlag", "episode_features"]

@@ -30,6 +30,8 @@ class Continuity:
     self._fired = False
 
   def update(self, t: float, machine: int | None, ratio: float = 0.0) -> Streak | None:
+    """Records the check at time `t` (its candidate `machine`, or None, and its ratio); returns
+    the streak the first time it reaches `checks`, else None."""
     if machine is None:
       self.streak, self._fired = None, False
       return None

@@ -36,6 +36,8 @@ from mscale_jax.observability.minder.windows import Normaliser, sliding_windows
 
 @dataclasses.dataclass(frozen=True)
 class MinderConfig:
+  """Minder's window, check stride, thresholds and VAE settings. The driver's own are in
+  `watch.py`; `experiments/minder_eval.py` chooses its thresholds on a validation split."""
   window: int = 30            # samples (seconds) per embedded window
   stride: int = 5             # seconds between checks
   continuity: int = 12        # consecutive checks the same machine must stand out
@@ -94,6 +96,7 @@ class Minder:
     return cls(models, config)
 
   def with_priority(self, priority: list[str]) -> "Minder":
+    """The same models, metrics checked in the order `priority` (e.g. the tree's)."""
     return Minder(self.models, self.config, priority)
 
   def with_config(self, **changes) -> "Minder":
@@ -125,12 +128,14 @@ class MinderFlag:
   others: float         # the median of the other machines' means over that window
 
   def describe(self) -> str:
+    """The driver's one-line message for this flag."""
     return (f"minder: rank {self.rank}: {self.metric} {self.value:.4g} vs {self.others:.4g} "
             f"median of the others; {self.ratio:.1f}x further from its peers than the median "
             f"machine for {self.at - self.since:.0f} s (since {_when(self.since)}, flagged at "
             f"{_when(self.at)})")
 
   def to_json(self) -> dict:
+    """The flag's fields and its message, for records and the driver's report."""
     return {**dataclasses.asdict(self), "message": self.describe()}
 
 

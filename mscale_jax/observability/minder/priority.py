@@ -46,6 +46,7 @@ def best_split(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 @dataclasses.dataclass
 class Node:
+  """One node of the decision tree: a split on `x[feature] <= threshold`, or a leaf."""
   feature: int | None = None         # None: a leaf
   threshold: float = 0.0
   left: "Node | None" = None         # x[feature] <= threshold

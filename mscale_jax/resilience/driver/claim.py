@@ -34,6 +34,7 @@ def same_process(entry: dict) -> bool:
 
 
 def read(state_dir: str) -> dict | None:
+  """The claim under `state_dir` as `write` left it, or None when there is none."""
   path = os.path.join(state_dir, NAME)
   if not os.path.exists(path):
     return None

@@ -56,10 +56,12 @@ class ClusterJob:
   image_repo: str = "/workspace/mscale-jax"   # Kubernetes: the checkout inside the image
 
   def worker_command(self, workdir: str | None = None) -> list[str]:
+    """The command line of one training process."""
     return [self.python, "-m", "experiments.train", *self.train_args,
             f"--workdir={workdir or self.workdir}"]
 
   def driver_command(self, attempt: str, workdir: str | None = None) -> list[str]:
+    """The command line of the driver in watch mode (the scheduler started the workers)."""
     return [self.python, "-m", "experiments.launch", "--watch", f"--attempt={attempt}",
             f"--num_processes={self.num_processes}",
             f"--devices_per_process={self.devices_per_process}",

@@ -28,6 +28,7 @@ _BUSY = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n 
 
 
 def marker_path(state_dir: str, fault: Fault) -> str:
+  """Where the driver records that `fault` fired (so a restarted driver does not fire it again)."""
   return os.path.join(state_dir, "faults", f"{fault.index}-{fault.kind}-driver.json")
 
 
@@ -68,6 +69,7 @@ class OsInjector:
         undo()
 
   def close(self) -> None:
+    """Undoes every fault still in effect."""
     for _, undo in self._undo:
       undo()
     self._undo = []
@@ -180,6 +182,7 @@ def make_read_only(directory: str) -> str:
 
 
 def make_writable(directory: str) -> None:
+  """Undoes `make_read_only`."""
   if os.geteuid() == 0 and shutil.which("chattr"):
     subprocess.run(["chattr", "-i", directory], capture_output=True)
   os.chmod(directory, 0o755)

@@ -78,7 +78,7 @@ def _check_ranges(obj: dict, num_ranks: int | None) -> None:
     bad("rank", f"a rank of the running group (0..{num_ranks - 1})" if num_ranks else ">= 0")
   for field in ("pid", "attempt", "slot", "step", "nonfinite_steps"):
     if field in obj and not 0 <= obj[field] < MAX_COUNT:
-      bad(field, f"in [0, 2**53)")
+      bad(field, "in [0, 2**53)")
   for field in ("step_time_s", "data_wait_s", "time"):
     if obj.get(field) is not None and not (math.isfinite(obj[field]) and obj[field] >= 0):
       bad(field, "a finite number >= 0")
@@ -259,6 +259,7 @@ class HeartbeatServer:
       self._say(f"heartbeat endpoint: rejected a request from {message}{more}")
 
   def receive(self, beat: events.Heartbeat) -> None:
+    """Stores an accepted heartbeat as its rank's latest and hands it to every listener."""
     received = time.time()
     with self._lock:
       self._latest[beat.rank] = (beat, received)

@@ -104,17 +104,20 @@ class MetricSampler:
             "device_mem_mb": _device_mem_mb()}
 
   def drain(self) -> list[dict]:
+    """The samples taken since the last drain, oldest first; the buffer is emptied."""
     with self._lock:
       out = list(self._samples)
       self._samples.clear()
     return out
 
   def start(self) -> None:
+    """Starts the sampling thread (once)."""
     if self._thread is None:
       self._thread = threading.Thread(target=self._run, name="metric-sampler", daemon=True)
       self._thread.start()
 
   def stop(self) -> None:
+    """Stops the sampling thread and waits for it briefly."""
     self._stop.set()
     if self._thread is not None:
       self._thread.join(timeout=2 * self.period_s + 1)
