@@ -105,11 +105,17 @@ class FaultInjector:
 
 
 def corrupt_received(x):
-  """`x` (a numpy or jax array) as a bad link delivers it: every 97th element off by 1 + |x|."""
-  import jax.numpy as jnp
-  flat = jnp.ravel(jnp.asarray(x))
-  bad = flat.at[::97].add(1.0 + jnp.abs(flat[::97]))
-  return bad.reshape(jnp.shape(x)).astype(flat.dtype)
+  """`x` (a numpy or jax array) as a bad link delivers it: every 97th element off by 1 + |x|.
+
+  Done on the host in numpy, a copy: the training loop calls it on each local shard after
+  every step from the fault's on, and eager jnp ops would compile a small program per op and
+  per device the first time (seconds on a loaded machine, long enough to read as a hang).
+  """
+  import numpy as np
+  bad = np.array(x, copy=True)
+  flat = bad.reshape(-1)   # a view of `bad`
+  flat[::97] += (1 + np.abs(flat[::97])).astype(bad.dtype)
+  return bad
 
 
 def bad_slot_marker(workdir: str, slot: int) -> str:
