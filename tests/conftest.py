@@ -42,6 +42,22 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: files stay whole
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _experiment_flags_per_file():
+  """Experiment scripts define their absl flags when imported, and two scripts may share a
+  flag's name (`out_dir`, `quick`). A test file that imports one inside a test leaves with its
+  flags and modules unregistered again, so a later file in the same worker can import another."""
+  import sys
+  from absl import flags
+  names, modules = set(flags.FLAGS), set(sys.modules)
+  yield
+  for name in set(flags.FLAGS) - names:
+    delattr(flags.FLAGS, name)
+  for module in set(sys.modules) - modules:
+    if module.startswith("experiments."):
+      del sys.modules[module]
+
+
 @pytest.fixture
 def tiny_config():
   """A factory for small, fast run configs: `tiny_config(model={...}, mesh={...}, ...)`."""

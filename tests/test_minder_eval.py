@@ -6,7 +6,7 @@ import pathlib
 
 import numpy as np
 
-from experiments import minder_eval, minder_fleet as fleet
+from experiments import minder_fleet as fleet, minder_scoring
 from mscale_jax.observability.minder.detector import Minder, MinderConfig
 from mscale_jax.observability.minder.vae import VAEConfig
 
@@ -36,7 +36,7 @@ def test_generator_is_seeded_and_healthy_traces_have_no_faults():
 
 
 def test_detectors_are_given_metric_arrays_only():
-  for fn in (minder_eval.minder_checks, minder_eval.replay_threshold):
+  for fn in (minder_scoring.minder_checks, minder_scoring.replay_threshold):
     params = set(inspect.signature(fn).parameters)
     assert not params & {"trace", "faults", "labels"}, (fn.__name__, params)
   # The detector package imports nothing from the experiments (where faults are made).
@@ -54,18 +54,18 @@ def test_minder_output_does_not_change_when_the_labels_do():
   minder = Minder.fit({m: [healthy.metrics[m]] for m in ("compute_s", "sync_s")},
                       MinderConfig(continuity=4, ratio=1.8, floor=0.0,
                                    vae=VAEConfig(hidden=8, latent=3, steps=60, batch=64)))
-  checks, means, _ = minder_eval.minder_checks(minder, trace.metrics, timed_checks=2)
-  flags = minder_eval.replay_minder(minder, checks, means)
+  checks, means, _ = minder_scoring.minder_checks(minder, trace.metrics, timed_checks=2)
+  flags = minder_scoring.replay_minder(minder, checks, means)
   trace.faults = [fleet.Fault("hang", 0, 1, 2, 1.0)]         # wrong labels
-  checks2, means2, _ = minder_eval.minder_checks(minder, trace.metrics, timed_checks=2)
-  assert minder_eval.replay_minder(minder, checks2, means2) == flags
+  checks2, means2, _ = minder_scoring.minder_checks(minder, trace.metrics, timed_checks=2)
+  assert minder_scoring.replay_minder(minder, checks2, means2) == flags
 
 
 def test_score_counts_true_false_and_repeat_flags():
   faults = [fleet.Fault("slow_compute", 3, 100, 200, 0.3), fleet.Fault("hang", 5, 500, 600, 1)]
   flags = [(90, 3, "m"), (130, 3, "m"), (150, 3, "m"), (300, 4, "m"), (650, 5, "m"),
            (700, 5, "m")]
-  s = minder_eval.score(flags, faults)
+  s = minder_scoring.score(flags, faults)
   # (90, 3) is before the onset: false; (130, 3) detects fault 0 at 30 s; (150, 3) repeats it;
   # (650, 5) is within the 60 s grace after fault 1 ended: detects it at 150 s; (700, 5) false.
   assert (s["true_positives"], s["false_positives"], s["repeat_flags"]) == (2, 3, 1)

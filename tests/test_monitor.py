@@ -1,8 +1,8 @@
 """Per-second monitoring samples (resilience/worker/monitor.py) and their trip in heartbeats."""
+import mmap
 import os
 import time
 
-import numpy as np
 
 from mscale_jax.resilience import events
 from mscale_jax.resilience.worker import monitor
@@ -20,9 +20,12 @@ def test_sample_has_every_field_and_sees_cpu_and_memory():
   assert busy["cpu_frac"] > idle["cpu_frac"] + 0.1   # shared host: the busy loop gets a share
   assert (busy["step"], busy["step_time_s"], busy["data_wait_s"]) == (7, 0.5, 0.01)
   before = busy["rss_mb"]
-  block = np.ones(64 * 2**20 // 8)                  # 64 MiB touched
+  # 64 MiB of fresh anonymous pages, every page written: a heap allocation could reuse pages
+  # the process already holds (a long-lived test worker has freed many) and add nothing.
+  block = mmap.mmap(-1, 64 * 2**20)
+  block.write(b"\x01" * len(block))
   assert sampler.sample()["rss_mb"] > before + 50
-  del block
+  block.close()
 
 
 def test_io_rate_counts_this_process_writes(tmp_path):
