@@ -119,6 +119,27 @@ def blamed_task(text: str, rank: int, count: int) -> int:
   return rank
 
 
+def killed_by_signal(codes: list, logs: list[str]) -> events.Failure | None:
+  """The failure of the first worker killed by a signal (`codes`: the workers' exit statuses,
+  None while running; `logs`: their log files), or None if none was.
+
+  A worker that aborted (SIGABRT) on a coordination-service error lost a peer (one stopped,
+  killed or silent): the peer the error names is at fault, as when that line is read before the
+  exit (supervisor.py). The abort can reach the driver first, so its finished log is read here;
+  and a worker killed by another signal is blamed before one that aborted.
+  """
+  killed = [r for r, code in enumerate(codes) if code is not None and code < 0]
+  for rank in sorted(killed, key=lambda r: codes[r] == -signal.SIGABRT):
+    if codes[rank] == -signal.SIGABRT:
+      tail = log_tail(logs[rank], wait_s=0.0)   # the worker has exited: its log is complete
+      line = next((l.strip()[:300] for l in tail.splitlines()
+                   if "coordination" in l and events.fatal_pattern(l)), None)
+      if line and (peer := blamed_task(tail, rank, len(codes))) != rank:
+        return events.Failure(events.FATAL_LOG, peer, f"{line} (rank {rank} aborted on it)")
+    return events.Failure(events.EXITED, rank, f"killed by signal {-codes[rank]}")
+  return None
+
+
 def log_tail(path: str, size: int = 16384, wait_s: float = 0.3) -> str:
   """The last `size` bytes of a log, after `wait_s` (the lines after a fatal one name the peer)."""
   import time

@@ -358,9 +358,8 @@ class Driver:
     # from it; then what workers said about themselves; then other exits.
     self.injector.poll(group.procs, max((b.step for b, _ in beats.values()), default=0))
     codes = [p.poll() for p in group.procs]
-    for rank, code in enumerate(codes):
-      if code is not None and code < 0:
-        return events.Failure(events.EXITED, rank, f"killed by signal {-code}")
+    if (killed := claim.killed_by_signal(codes, group.logs)) is not None:
+      return killed
     for rank, (beat, _) in beats.items():
       if beat.failure:
         f = beat.failure
