@@ -35,6 +35,13 @@ def describe(pred) -> str:
           f"recompute={pred.recompute}")
 
 
+def summary(pred) -> dict:
+  """A configuration as JSON: its line, MFU, iteration time, memory and breakdown (seconds)."""
+  return {"layout": describe(pred), "mfu": pred.mfu, "iteration_s": pred.iteration_s,
+          "memory_gib": pred.memory.total / 2**30, "recompute": pred.recompute,
+          "breakdown_s": {k: pred.breakdown[k] for k in BREAKDOWN_KEYS}}
+
+
 def breakdown(pred) -> str:
   """The iteration's breakdown in seconds, indented under its configuration."""
   return "    " + "  ".join(f"{k}={pred.breakdown[k]:.2f}" for k in BREAKDOWN_KEYS)
@@ -112,6 +119,8 @@ def define_flags() -> None:
                     "rings, or SDP4Bit's two-level quantized ones (perf/compressed.py).")
   flags.DEFINE_float("node_gbps", 0.0, "Inter-node bandwidth per node in Gb/s (0: the "
                      "preset's).")
+  flags.DEFINE_bool("record", False, "Also write the top configurations per GPU count to a JSON "
+                    "record in results/ (plan-<model>-model-<date>.json).")
   flags.DEFINE_bool("goodput", False, "Also print the best layout's tokens per wall-clock second "
                     "with failures counted (experiments.goodput.goodput_line).")
 
@@ -125,6 +134,7 @@ def main(argv):
       c, note = calibrate.calibrated(c, f.calibrate, hardware.get_hardware(f.hardware),
                                      allow_other_device=f.calibrate_any_device)
     print(f"[plan] {note}")
+    rows = []
     for value in f.gpus:
       try:
         gpus = int(value)
@@ -135,6 +145,13 @@ def main(argv):
       if f.goodput and best:
         from experiments.goodput import goodput_line
         print(goodput_line(best[0]))
+      rows.append({"gpus": gpus, "top": [summary(p) for p in best]})
+    if f.record:
+      from experiments.results import write_record
+      path = write_record(f"plan-{f.model}", rows, device={"platform": "model", "device_kind": f.hardware},
+                          extra={"constants": note, "dp_comm": f.dp_comm,
+                                 "node_gbps": f.node_gbps})
+      print(f"[plan] wrote {path}")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
