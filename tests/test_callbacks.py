@@ -65,6 +65,7 @@ def _config(tiny_config, **train):
                                      checkpoint_every=4, on_nonfinite="rollback"), **train))
 
 
+@pytest.mark.slow   # one of the fast tier's heaviest (a trainer run or a full search)
 def test_a_run_calls_every_event_in_order_through_a_rollback(tiny_config, tmp_path):
   recorder = Recorder()
   Trainer(_config(tiny_config), tmp_path, show_progress=False,

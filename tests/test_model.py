@@ -132,6 +132,7 @@ def test_parallel_block_is_x_plus_attn_plus_mlp():
   np.testing.assert_allclose(got, x + attn + mlp, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow   # one of the fast tier's heaviest (a trainer run or a full search)
 def test_scanned_and_unrolled_layers_agree():
   """The same weights give the same logits with nnx.scan over layers and a Python loop."""
   base = ModelConfig(num_layers=3, hidden=16, num_heads=2, mlp_dim=32, seq_len=8,

@@ -125,6 +125,7 @@ def test_time_split_recovers_a_line_and_reads_the_paper():
     assert large["fixed"] < small["fixed"] - 0.3
 
 
+@pytest.mark.slow   # one of the fast tier's heaviest (a trainer run or a full search)
 def test_plan_and_scaling_curves_share_the_micro_batch(capsys):
   """The issue's case: one run, one answer. plan.py's paper layout at 12,288 GPUs is the
   prediction scaling_curves makes for that row, at the same micro-batch."""

@@ -178,6 +178,7 @@ def test_nonfinite_stop_then_resume_logs_each_step_once(tiny_config, tmp_path):
   assert saves[0]["write_s"] is not None and saves[0]["write_s"] >= 0
 
 
+@pytest.mark.slow   # one of the fast tier's heaviest (a trainer run or a full search)
 def test_nonfinite_skip_step_applies_no_update(tiny_config, tmp_path):
   config = _policy_config(tiny_config, "skip_step")
   trainer = _train(config, tmp_path, ["nan:step=6"])
