@@ -344,16 +344,17 @@ class Driver:
       if all(p.poll() == 0 for p in group.procs):
         return None
       failure = self._poll(group)
-      if failure is not None:
-        return failure
       if group.first_step_at is not None:
         self.pool.fill()   # standbys for the next restart, once this group's start is done
+      if failure is not None:
+        return failure
       time.sleep(self.o.poll_s)
 
   def _poll(self, group: _Group) -> events.Failure | None:
     now = time.time()
     beats = {r: (b, t) for r, (b, t) in self.server.latest().items()
              if b.attempt == group.attempt}
+    self._note_progress(group, beats)
     # A killed worker comes first: its peers' errors (a collective that lost its peer) follow
     # from it; then what workers said about themselves; then other exits.
     self.injector.poll(group.procs, max((b.step for b, _ in beats.values()), default=0))
@@ -392,8 +393,8 @@ class Driver:
         return line.strip()[:300]
     return None
 
-  def _check_progress(self, group: _Group, beats, now: float) -> events.Failure | None:
-    o = self.o
+  def _note_progress(self, group: _Group, beats) -> None:
+    """Each rank's step and phase since when, and the group's first step (before failures)."""
     for rank, (beat, received) in beats.items():
       step, phase, since = group.progress.get(rank, (None, None, group.started))
       if (beat.step, beat.phase) != (step, phase):
@@ -405,6 +406,9 @@ class Driver:
         if group.first_step_at is None and beat.attempt == group.attempt and \
             beat.phase == events.TRAINING:
           group.first_step_at = received
+
+  def _check_progress(self, group: _Group, beats, now: float) -> events.Failure | None:
+    o = self.o
     step_time = statistics.median(group.step_times[-20:]) if group.step_times else 0.0
     limit = max(o.hang_timeout_s, o.hang_step_factor * step_time)
     # Ranks step together (every step has collectives), so a hang is the group's: no rank has

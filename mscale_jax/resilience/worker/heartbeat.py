@@ -149,11 +149,13 @@ class HeartbeatClient:
     """Step `step` finished with this loss; `data_wait_s`: time it waited for its batch."""
     now = time.perf_counter()
     with self._lock:
-      b = self.beat
+      b, first = self.beat, self._since is None
       if self._since is not None and step > self._since[0]:
         b.step_time_s = (now - self._since[1]) / (step - self._since[0])
       self._since = (step, now)
       b.step, b.loss, b.grad_norm, b.data_wait_s = step, loss, grad_norm, data_wait_s
+    if first:   # the first step (of the run, or since a rollback) is reported at once
+      self._wake.set()
 
   def rewind(self, step: int) -> None:
     """The run went back to `step` (a rollback): step times restart from there."""
