@@ -49,13 +49,16 @@ def _experiment_flags_per_file():
   flags and modules unregistered again, so a later file in the same worker can import another."""
   import sys
   from absl import flags
-  names, modules = set(flags.FLAGS), set(sys.modules)
+  modules = set(sys.modules)
   yield
-  for name in set(flags.FLAGS) - names:
-    delattr(flags.FLAGS, name)
-  for module in set(sys.modules) - modules:
-    if module.startswith("experiments."):
-      del sys.modules[module]
+  new = {m for m in set(sys.modules) - modules if m.startswith("experiments.")}
+  for module, defined in flags.FLAGS.flags_by_module_dict().items():
+    if module in new:                   # only the scripts' own flags, never a library's
+      for flag in defined:
+        if flag.name in flags.FLAGS:
+          delattr(flags.FLAGS, flag.name)
+  for module in new:
+    del sys.modules[module]
 
 
 @pytest.fixture
