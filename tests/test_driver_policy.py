@@ -7,7 +7,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from experiments import job
+
+# Real driver and worker processes per scenario: the full suite's, not the fast tier's.
+pytestmark = pytest.mark.slow
 
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_worker.py")
 
