@@ -88,6 +88,7 @@ def test_a_run_calls_every_event_in_order_through_a_rollback(tiny_config, tmp_pa
   assert recorder.of("run_end") == [True]
 
 
+@pytest.mark.slow   # one of the fast tier's heaviest (a trainer run or a fleet replay)
 def test_an_error_is_heard_before_the_cleanup_and_the_run_does_not_end(tiny_config, tmp_path):
   recorder = Recorder(fail_at=3)
   with pytest.raises(RuntimeError, match="boom"):

@@ -5,6 +5,7 @@ import inspect
 import pathlib
 
 import numpy as np
+import pytest
 
 from experiments import minder_fleet as fleet, minder_scoring
 from mscale_jax.observability.minder.detector import Minder, MinderConfig
@@ -47,6 +48,7 @@ def test_detectors_are_given_metric_arrays_only():
     assert not [n for n in names if n.startswith("experiments")], path
 
 
+@pytest.mark.slow   # one of the fast tier's heaviest (a trainer run or a fleet replay)
 def test_minder_output_does_not_change_when_the_labels_do():
   trace = fleet.generate(12, 1500, seed=9, kinds=("slow_compute",), gap_s=(400, 500),
                          fault_s=(400, 500))

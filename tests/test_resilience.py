@@ -192,6 +192,7 @@ def test_nonfinite_skip_step_applies_no_update(tiny_config, tmp_path):
   assert int(trainer.final_state["step"]) == 8
 
 
+@pytest.mark.slow   # one of the fast tier's heaviest (a trainer run or a fleet replay)
 def test_nonfinite_rollback_restores_and_skips_the_batch(tiny_config, tmp_path):
   from mscale_jax.checkpoint import Checkpointer
   config = _policy_config(tiny_config, "rollback")

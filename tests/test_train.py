@@ -72,6 +72,7 @@ def test_resuming_with_another_optimizer_is_a_config_error(tiny_config, tmp_path
             tmp_path, show_progress=False)
 
 
+@pytest.mark.slow   # one of the fast tier's heaviest (a trainer run or a fleet replay)
 def test_resuming_another_model_shape_is_a_config_error(tiny_config, tmp_path):
   Trainer(tiny_config(train=dict(steps=3)), tmp_path, show_progress=False).train()
   with pytest.raises(ConfigError, match="model.hidden=64.*hidden=32"):
