@@ -524,7 +524,7 @@ def main(argv):
   if checked:
     print("\n".join(checked["lines"][:20]))
   for e in out["sdp4bit"] or []:
-    print(f"[scaling_curves] sdp4bit {e['model']} {e['system']:9s} {e['gpus']:6d} GPUs at "
+    print(f"[scaling_curves] sdp4bit {e['model']} {e['system']:14s} {e['gpus']:6d} GPUs at "
           f"{e['node_gbps']:g} Gb/s/node: MFU {e['none_mfu']:.1f} -> {e['sdp4bit_mfu']:.1f} "
           f"({e['speedup']:.2f}x)")
   for path in list(out["paths"].values()) + (list(checked["paths"].values()) if checked else []):
