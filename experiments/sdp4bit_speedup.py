@@ -32,12 +32,6 @@ from mscale_jax.errors import ConfigError
 from mscale_jax.perf import A100_MEGASCALE, H800_DGX, Layout, ModelSpec, Techniques, dp_comm
 from mscale_jax.perf.compressed import DPCompression
 
-_GPUS = flags.DEFINE_list("gpus", ["16", "32", "64", "128"], "GPU counts to predict.")
-_GBPS = flags.DEFINE_list("node_gbps", ["25", "50", "100", "200", "400", "800", "1600", "3200"],
-                          "Inter-node bandwidth per node, Gb/s per direction (all NICs).")
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record and plot (default "
-                               "results/).")
-
 PAPER_HEADLINE = 4.08          # "up to 4.08x speedup in end-to-end throughput on 128 GPUs"
 HEADLINE_GPUS = 128
 VOCAB = 50304                  # GPT-2's 50,257 tokens padded to a multiple of 128 (Megatron)
@@ -212,12 +206,21 @@ def _numbers(values: list, name: str, cast) -> list:
   return out
 
 
+def define_flags() -> None:
+  """Defines the CLI flags (only when run as a script, so importing defines none)."""
+  flags.DEFINE_list("gpus", ["16", "32", "64", "128"], "GPU counts to predict.")
+  flags.DEFINE_list("node_gbps", ["25", "50", "100", "200", "400", "800", "1600", "3200"],
+                    "Inter-node bandwidth per node, Gb/s per direction (all NICs).")
+  flags.DEFINE_string("out_dir", None, "Folder for the record and plot (default results/).")
+
+
 def main(argv):
   del argv
   import os
   import sys
+  f = flags.FLAGS
   try:
-    gpus, gbps = _numbers(_GPUS.value, "gpus", int), _numbers(_GBPS.value, "node_gbps", float)
+    gpus, gbps = _numbers(f.gpus, "gpus", int), _numbers(f.node_gbps, "node_gbps", float)
     rows = sweep(gpus, gbps)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -246,7 +249,7 @@ def main(argv):
              f"; the headline implies {implied['node_gbps']:.0f} Gb/s per node "
              f"({implied['model']})"))
   path = write_record("sdp4bit_speedup", {"rows": rows, "summary": summary},
-                      out_dir=_OUT_DIR.value, device={"platform": "model"}, extra={
+                      out_dir=f.out_dir, device={"platform": "model"}, extra={
       "paper_headline_speedup": PAPER_HEADLINE, "headline_gpus": HEADLINE_GPUS,
       "setup": {"seq_len": SEQ, "micro_batch": 1, "accumulation_steps": 1,
                 "global_batch": "data-parallel size", "recompute": RECOMPUTE,
@@ -271,4 +274,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
