@@ -138,12 +138,11 @@ class PipelineConfig:
 class SDP4BitConfig:
   """SDP4Bit's quantized data-parallel collectives (read by `mscale_jax/sdp4bit/`).
 
-  The one set of SDP4Bit defaults: `perf.compressed.DPCompression` and `sdp4bit.quant.Quantizer`
-  take theirs from here.
-  They are the paper's, as its official repository (jindajia/SDP4Bit, ReadME.md: the defaults
-  of the Megatron-LM flags) and the authors' later performance-test config (jindajia/
-  Megatron-LM, sample_scripts/icml-performance-bytedance/training-config/SDP4Bit.sh) give; each
-  field names its flag. `weights` picks what the parameter all-gather quantizes:
+  The one set of SDP4Bit defaults (`perf.compressed.DPCompression` and
+  `sdp4bit.quant.Quantizer` take theirs from here): the paper's, as its official repository
+  (jindajia/SDP4Bit, ReadME.md: the defaults of the Megatron-LM flags) and the authors' later
+  performance-test config (jindajia/Megatron-LM, sample_scripts/icml-performance-bytedance/
+  training-config/SDP4Bit.sh) give them; each field names its flag. `weights` picks what the parameter all-gather quantizes:
   'differences' (qWD), 'weights' (the ablation: the weights themselves) or 'none' (exact);
   `gradients=False` reduces gradients exactly. Bits 16 send bfloat16, 32 float32.
   """
