@@ -114,3 +114,18 @@ def test_a_faster_node_never_makes_sdp4bit_buy_more():
                               dp_comm.at_node_gbps(H800_DGX, g)).speedup
               for g in (50, 200, 800, 3200)]
   assert speedups == sorted(speedups, reverse=True) and speedups[-1] < speedups[0]
+
+
+def test_scaling_curves_none_is_the_like_for_like_baseline_on_every_paper_row():
+  """TP fills the node on every row, so `none`'s flat rings are the uncompressed two-level
+  schedule to the last bit: the section's speedups are SDP4Bit's gain alone. With TP=1 they
+  are not (the caveat in perf/dp_comm.py)."""
+  from mscale_jax.perf.iteration import dp_times
+  for row, pred in scaling_curves.predict_rows(A100_MEGASCALE, DEFAULT):
+    assert pred.layout.tp == A100_MEGASCALE.devices_per_node
+    assert dp_times(row.model, pred.layout, A100_MEGASCALE, DEFAULT) == dp_times(
+        row.model, pred.layout, A100_MEGASCALE, DEFAULT, DPCompression.uncompressed())
+  layout = Layout(tp=1, pp=1, vpp=1, dp=128, micro_batch=1, global_batch=128)
+  flat = sum(dp_times(MODEL, layout, H800_DGX, DEFAULT))
+  two_level = sum(dp_times(MODEL, layout, H800_DGX, DEFAULT, DPCompression.uncompressed()))
+  assert flat > 2 * two_level

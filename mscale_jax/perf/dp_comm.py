@@ -10,6 +10,14 @@ nodes, what does SDP4Bit buy?", through these three functions:
   spread evenly over the node's NICs;
 * `compare(...)`: both predictions of one layout at the same activation recomputation, so the
   data-parallel collectives are the only difference.
+
+A caveat on `none`: `iteration.dp_times` times it as one flat ring whose every rank crosses the
+network on its share of the node's NICs. That is the two-level schedule exactly when tensor
+parallelism fills the node (one data-parallel rank per node: every MegaScale row), but charges
+more when several data-parallel ranks share a node (about 3x the uncompressed two-level time
+for the 1.3B model at TP=1 on H800 nodes), so a speedup over it there includes the hierarchy's
+gain. For SDP4Bit's gain alone, give `compare` the switches with
+`dp_compression=DPCompression.uncompressed()` as `experiments/sdp4bit_speedup.py` does.
 """
 import dataclasses
 
