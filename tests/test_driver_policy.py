@@ -66,8 +66,8 @@ def test_a_spent_restart_budget_is_a_named_stop_that_keeps_everything(tmp_path):
 
 def test_the_same_failure_twice_at_one_step_stops_the_job(tmp_path):
   plan = {"misbehave": misbehave((0, 1, 5, "failure"), (1, 1, 5, "failure"))}
-  status, report, _ = drive(tmp_path, plan, max_restarts=5)
-  assert status != 0
+  status, report, output = drive(tmp_path, plan, max_restarts=5)
+  assert status != 0, (report["failures"], output[-2000:])
   assert report["outcome"] == "the same failure twice at step 5: not transient"
   assert [(f["kind"], f["step"]) for f in report["failures"]] == [("exception", 5)] * 2
   assert report["restarts"] == 1   # one restart, not the whole budget

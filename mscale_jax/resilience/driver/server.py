@@ -259,10 +259,19 @@ class HeartbeatServer:
       self._say(f"heartbeat endpoint: rejected a request from {message}{more}")
 
   def receive(self, beat: events.Heartbeat) -> None:
-    """Stores an accepted heartbeat as its rank's latest and hands it to every listener."""
+    """Stores an accepted heartbeat as its rank's latest and hands it to every listener.
+
+    A worker's periodic heartbeat and the one it sends at once (a failure, just before it
+    exits) travel on separate connections and may arrive out of order: a heartbeat the same
+    process stamped earlier than the one held never replaces it (else a stale one would erase
+    the failure the worker reported). Listeners still get it (its step phases are new).
+    """
     received = time.time()
     with self._lock:
-      self._latest[beat.rank] = (beat, received)
+      held = self._latest.get(beat.rank)
+      if held is None or (held[0].pid, held[0].attempt) != (beat.pid, beat.attempt) or \
+          beat.time >= held[0].time:
+        self._latest[beat.rank] = (beat, received)
     for listener in self.listeners:
       listener(beat, received)
 

@@ -88,8 +88,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-
-
 class _Group:
   """One start of the worker group: processes, their log files, what they last said."""
 
@@ -352,13 +350,15 @@ class Driver:
 
   def _poll(self, group: _Group) -> events.Failure | None:
     now = time.time()
+    # Exit statuses before heartbeats: a worker reports its own failure before it exits, so
+    # read in this order an exit always comes with what the worker said about it.
+    codes = [p.poll() for p in group.procs]
     beats = {r: (b, t) for r, (b, t) in self.server.latest().items()
              if b.attempt == group.attempt}
     self._note_progress(group, beats)
     # A killed worker comes first: its peers' errors (a collective that lost its peer) follow
     # from it; then what workers said about themselves; then other exits.
     self.injector.poll(group.procs, max((b.step for b, _ in beats.values()), default=0))
-    codes = [p.poll() for p in group.procs]
     if (killed := claim.killed_by_signal(codes, group.logs)) is not None:
       return killed
     for rank, (beat, _) in beats.items():
