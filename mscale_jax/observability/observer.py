@@ -5,8 +5,8 @@ The driver (resilience/driver/supervisor.py) owns one `Observer` and calls it at
 every heartbeat as it arrives (`receive`, from the HTTP thread), each poll (`observe`: may return
 a straggler `Failure` under policy 'evict'), when a group starts and after a hang was declared
 (`localize_hang`, before the group is killed), and at the end (`finish`). Everything it finds
-goes to WORKDIR/resilience/: stragglers.jsonl, hang-attempt{A}.json, status.txt, and into the
-driver's report under 'observability'.
+goes to WORKDIR/resilience/: stragglers.jsonl, monitor.jsonl (the workers' per-second samples),
+hang-attempt{A}.json, status.txt, and into the driver's report under 'observability'.
 """
 import collections
 import json
@@ -110,8 +110,10 @@ class Observer:
       if self.host_probes and beat.host_metrics and beat.phase == events.TRAINING:
         self._probes[beat.rank].append(beat.host_metrics)
         new_flags += self._host_update()
-      if self._watch is not None and beat.phase == events.TRAINING:
-        self._watch.add(beat.rank, beat.monitor)
+      if beat.monitor and beat.phase == events.TRAINING:
+        self._record_monitor(beat)
+        if self._watch is not None:
+          self._watch.add(beat.rank, beat.monitor)
     # Ranks still running (in the driver's watch mode, with no processes of its own: those
     # that reported).
     live = [r for r, p in enumerate(group.procs) if p.poll() is None] if group.procs \
@@ -135,6 +137,14 @@ class Observer:
       step = flag.at if self._watch is None else (latest.step if latest else None)
       return events.Failure(events.STRAGGLER, flag.rank, flag.describe(), step=step)
     return None
+
+  def _record_monitor(self, beat: events.Heartbeat) -> None:
+    """Appends a heartbeat's per-second samples to WORKDIR/resilience/monitor.jsonl (one line
+    per heartbeat), so an evaluation can replay what the detectors saw."""
+    os.makedirs(self.state_dir, exist_ok=True)
+    with open(os.path.join(self.state_dir, "monitor.jsonl"), "a") as f:
+      f.write(json.dumps({"attempt": beat.attempt, "rank": beat.rank,
+                          "samples": beat.monitor}) + "\n")
 
   def _host_update(self) -> list:
     """One round of the host-probe detector once every rank sent a new probe while training;
