@@ -66,11 +66,6 @@ def bytes_per_value(bits: int, group: int) -> float:
   return bits / 8.0 if bits >= 16 else (bits + 32.0 / group) / 8.0
 
 
-def data_parallel_ranks_per_node(hw: Hardware, dp: int, tp: int) -> int:
-  """How many ranks of one data-parallel group (stride `tp`) share a node."""
-  return max(1, min(dp, hw.devices_per_node // tp))
-
-
 def _step(num_bytes: float, ranks: int, link: comm.Link) -> float:
   if ranks <= 1:
     return 0.0
@@ -89,7 +84,7 @@ def dp_times_two_level(n: float, dp: int, tp: int, comp: DPCompression, hw: Hard
   """(gradient reduction, parameter all-gather) seconds for `n` parameters per device."""
   if dp <= 1:
     return 0.0, 0.0
-  g = data_parallel_ranks_per_node(hw, dp, tp)
+  g = comm.ranks_per_node(hw, dp, tp)
   k = dp // g
   intra = comm.group_link(hw, g, tp, c)
   inter = comm.group_link(hw, k, tp * g, c)
