@@ -11,7 +11,10 @@ sees the data-parallel group as g ranks in each of k nodes (g = the group's rank
 * codes below 16 bits carry a 32-bit scale per group, and quantizing, dequantizing and summing
   (and the Hadamard transform) stream the buffers through HBM once each, as the paper's fused
   kernels do. `DPCompression.uncompressed()` is the same two-level schedule at bf16 weights and
-  fp32 gradients with no quantization: the like-for-like baseline.
+  fp32 gradients with no quantization: the quantization's own baseline. NCCL's ring (`none`,
+  `comm.ring_link`) equals it with one data-parallel rank per node; with several the ring
+  pipelines its two links and wins unless few nodes and a slow network make the two-level
+  schedule's smaller share across nodes, (k-1)/k of the buffer against (n-1)/n, count more.
 
 The two gradient levels run one after the other (the official code's
 `--gradient-alltoall-pipeline 1`, its default and the authors' speed-test setting; the README's

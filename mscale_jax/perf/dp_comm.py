@@ -15,9 +15,10 @@ nodes, what does SDP4Bit buy?", through these three functions:
 the data-parallel group, paced by its busiest link (`comm.ring_link`: the NICs with one rank
 per node, as on every MegaScale row; NVLink or the NICs when tensor parallelism leaves several
 in a node). With one rank per node it is also SDP4Bit's schedule uncompressed, so a speedup
-over it is SDP4Bit's gain alone; with several, the ring (its levels pipelined) is faster than
-the uncompressed two-level schedule (its levels one after the other), and a speedup over `none`
-is SDP4Bit's gain net of that. `DPCompression.uncompressed()` gives the latter baseline.
+over it is SDP4Bit's gain alone; with several the two schedules differ (the ring pipelines
+its NVLink and network links, the two levels run one after the other but send less across few
+nodes), and a speedup over `none` includes that difference. `DPCompression.uncompressed()` is
+the two-level baseline without it.
 """
 import dataclasses
 
