@@ -8,8 +8,8 @@ the model predicts one iteration with the data-parallel collectives as the speed
 runs them (Megatron-LM's distributed optimizer: NCCL's ring reduce-scatter of fp32 gradients and
 all-gather of bf16 weights, `dp_comm=none`, `perf/comm.ring_link`) and with SDP4Bit's
 (`perf/dp_comm.py`; bit widths from `config.SDP4BitConfig`), over the inter-node bandwidths such
-a cluster plausibly has, and reports where the speedup can and cannot reach the paper's headline, "up to 4.08x
-end-to-end on 128 GPUs" (arXiv 2410.15526, abstract).
+a cluster plausibly has, and reports where the speedup can and cannot reach the paper's
+headline, "up to 4.08x end-to-end on 128 GPUs" (arXiv 2410.15526, abstract).
 
 What we read, and from where (`SOURCES`):
 * models, tensor/pipeline sizes, GPUs per node, accumulation step 1: the README of the official
