@@ -59,9 +59,8 @@ def plan(model_name: str, gpus: int, hw_name: str, batch: int, scale: int, top: 
   """Prints and returns the top configurations for one GPU count.
 
   dp_comm='sdp4bit' searches with SDP4Bit's two-level quantized DP collectives
-  (`perf/compressed.py`); node_gbps > 0 sets the inter-node bandwidth per node (Gb/s). 'none'
-  times flat rings, which overstate the DP time of layouts whose TP leaves several DP ranks in
-  a node (`perf/dp_comm.py`).
+  (`perf/compressed.py`) instead of NCCL's rings ('none', `perf/comm.ring_link`); node_gbps > 0
+  sets the inter-node bandwidth per node (Gb/s).
   """
   if model_name not in MODELS:
     raise ConfigError("model", model_name, f"one of {sorted(MODELS)}")

@@ -117,15 +117,28 @@ def test_a_faster_node_never_makes_sdp4bit_buy_more():
 
 
 def test_scaling_curves_none_is_the_like_for_like_baseline_on_every_paper_row():
-  """TP fills the node on every row, so `none`'s flat rings are the uncompressed two-level
-  schedule to the last bit: the section's speedups are SDP4Bit's gain alone. With TP=1 they
-  are not (the caveat in perf/dp_comm.py)."""
+  """TP fills the node on every row, so `none`'s rings are the uncompressed two-level schedule
+  to the last bit: the section's speedups are SDP4Bit's gain alone."""
   from mscale_jax.perf.iteration import dp_times
   for row, pred in scaling_curves.predict_rows(A100_MEGASCALE, DEFAULT):
     assert pred.layout.tp == A100_MEGASCALE.devices_per_node
     assert dp_times(row.model, pred.layout, A100_MEGASCALE, DEFAULT) == dp_times(
         row.model, pred.layout, A100_MEGASCALE, DEFAULT, DPCompression.uncompressed())
+
+
+def test_none_at_tp1_is_the_nvlink_bound_ring_not_the_two_level_sum():
+  """1.3B at TP=1 on H800 nodes (8 DP ranks per node, 16 nodes): NCCL's ring pays its
+  busiest link, NVLink at 200 GB/s x 0.82 x 8/7 (the NICs would allow 8 x 50 x 0.78 = 312 GB/s),
+  while the two-level schedule pays its intra-node level (7/8 of the buffer at 164 GB/s) and
+  then its inter-node one (15/16 of an eighth at 39 GB/s) one after the other."""
+  from mscale_jax.perf.iteration import dp_times
+  from mscale_jax.perf.memory import params_per_device
   layout = Layout(tp=1, pp=1, vpp=1, dp=128, micro_batch=1, global_batch=128)
-  flat = sum(dp_times(MODEL, layout, H800_DGX, DEFAULT))
-  two_level = sum(dp_times(MODEL, layout, H800_DGX, DEFAULT, DPCompression.uncompressed()))
-  assert flat > 2 * two_level
+  grads = params_per_device(MODEL, layout) * 4.0          # fp32 gradients, bytes
+  nvlink, nic = 200e9 * 0.82, 50e9 * 0.78
+  ring = 127 * 15e-6 + 127 / 128 * grads * 7 / 8 / nvlink
+  two_level = 7 * 8e-6 + 7 / 8 * grads / nvlink + 15 * 15e-6 + 15 / 16 * grads / 8 / nic
+  rs, _ = dp_times(MODEL, layout, H800_DGX, DEFAULT)
+  rs2, _ = dp_times(MODEL, layout, H800_DGX, DEFAULT, DPCompression.uncompressed())
+  assert rs == pytest.approx(ring) and rs2 == pytest.approx(two_level)
+  assert rs < rs2 < 127 / 128 * grads / nic               # the last: a flat ring's time

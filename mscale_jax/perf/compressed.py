@@ -11,7 +11,10 @@ sees the data-parallel group as g ranks in each of k nodes (g = the group's rank
 * codes below 16 bits carry a 32-bit scale per group, and quantizing, dequantizing and summing
   (and the Hadamard transform) stream the buffers through HBM once each, as the paper's fused
   kernels do. `DPCompression.uncompressed()` is the same two-level schedule at bf16 weights and
-  fp32 gradients with no quantization: the like-for-like baseline.
+  fp32 gradients with no quantization: the quantization's own baseline. NCCL's ring (`none`,
+  `comm.ring_link`) equals it with one data-parallel rank per node; with several the ring
+  pipelines its two links and wins unless few nodes and a slow network make the two-level
+  schedule's smaller share across nodes, (k-1)/k of the buffer against (n-1)/n, count more.
 
 The two gradient levels run one after the other (the official code's
 `--gradient-alltoall-pipeline 1`, its default and the authors' speed-test setting; the README's
@@ -66,11 +69,6 @@ def bytes_per_value(bits: int, group: int) -> float:
   return bits / 8.0 if bits >= 16 else (bits + 32.0 / group) / 8.0
 
 
-def data_parallel_ranks_per_node(hw: Hardware, dp: int, tp: int) -> int:
-  """How many ranks of one data-parallel group (stride `tp`) share a node."""
-  return max(1, min(dp, hw.devices_per_node // tp))
-
-
 def _step(num_bytes: float, ranks: int, link: comm.Link) -> float:
   if ranks <= 1:
     return 0.0
@@ -89,7 +87,7 @@ def dp_times_two_level(n: float, dp: int, tp: int, comp: DPCompression, hw: Hard
   """(gradient reduction, parameter all-gather) seconds for `n` parameters per device."""
   if dp <= 1:
     return 0.0, 0.0
-  g = data_parallel_ranks_per_node(hw, dp, tp)
+  g = comm.ranks_per_node(hw, dp, tp)
   k = dp // g
   intra = comm.group_link(hw, g, tp, c)
   inter = comm.group_link(hw, k, tp * g, c)

@@ -4,20 +4,21 @@ The planner (`experiments/plan.py`), `experiments/scaling_curves.py --dp_comm=sd
 `experiments/sdp4bit_speedup.py` all ask the same question, "on a cluster with N Gb/s between
 nodes, what does SDP4Bit buy?", through these three functions:
 
-* `techniques(tech, dp_comm)`: the switches with `none`'s rings or SDP4Bit's two-level
+* `techniques(tech, dp_comm)`: the switches with `none`'s NCCL rings or SDP4Bit's two-level
   quantized collectives (`compressed.DPCompression`, the defaults of `config.SDP4BitConfig`);
 * `at_node_gbps(hw, gbps)`: the cluster with `gbps` Gb/s per node and direction between nodes,
   spread evenly over the node's NICs;
 * `compare(...)`: both predictions of one layout at the same activation recomputation, so the
   data-parallel collectives are the only difference.
 
-A caveat on `none`: `iteration.dp_times` times it as one flat ring whose every rank crosses the
-network on its share of the node's NICs. That is the two-level schedule exactly when tensor
-parallelism fills the node (one data-parallel rank per node: every MegaScale row), but charges
-more when several data-parallel ranks share a node (about 3x the uncompressed two-level time
-for the 1.3B model at TP=1 on H800 nodes), so a speedup over it there includes the hierarchy's
-gain. For SDP4Bit's gain alone, give `compare` the switches with
-`dp_compression=DPCompression.uncompressed()` as `experiments/sdp4bit_speedup.py` does.
+`none` is what Megatron-LM and MegaScale run: NCCL's ring reduce-scatter and all-gather over
+the data-parallel group, paced by its busiest link (`comm.ring_link`: the NICs with one rank
+per node, as on every MegaScale row; NVLink or the NICs when tensor parallelism leaves several
+in a node). With one rank per node it is also SDP4Bit's schedule uncompressed, so a speedup
+over it is SDP4Bit's gain alone; with several the two schedules differ (the ring pipelines
+its NVLink and network links, the two levels run one after the other but send less across few
+nodes), and a speedup over `none` includes that difference. `DPCompression.uncompressed()` is
+the two-level baseline without it.
 """
 import dataclasses
 
@@ -34,7 +35,7 @@ def techniques(tech: Techniques, dp_comm: str,
                compression: DPCompression | None = None) -> Techniques:
   """`tech` with the data-parallel collectives of `dp_comm` ('none' or 'sdp4bit').
 
-  'none' keeps `tech`'s own (the rings, or an explicit uncompressed two-level schedule);
+  'none' keeps `tech`'s own (NCCL's rings, or an explicit uncompressed two-level schedule);
   'sdp4bit' sets `compression` (default: SDP4Bit's bit widths and group sizes).
   """
   if dp_comm not in DP_COMMS:
