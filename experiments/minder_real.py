@@ -18,7 +18,9 @@ A flag naming the victim during its fault (or GRACE_S after) is a detection, any
 false positive; latency is from the fault's start to the flag. The record also has, per fault
 kind and metric, the victim's median against its peers' (what separated it, and what did not).
 """
+import functools
 import json
+import math
 import os
 import random
 import signal
@@ -146,6 +148,10 @@ def main(argv):
     path = os.path.join(workdir, "resilience", name)
     if os.path.exists(path):
       os.remove(path)
+  # SIGTERM ends the run through the `finally` below (the job, the busy processes, the swap).
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  busy = math.ceil(n / len(os.sched_getaffinity(0)))
+  faults_ = {**os_faults.FAULTS, "hog": functools.partial(os_faults.hog, busy=busy)}
   swapped = "mem" in _KINDS.value and os_faults.swap_on()
   log = open(os.path.join(workdir, "launcher.log"), "w")
   proc = subprocess.Popen(job.command(workdir, launcher, train), cwd=job.REPO,
@@ -168,7 +174,7 @@ def main(argv):
       episodes.append({"kind": "clean", "start": start, "end": time.time(), "rank": None})
       rank, kind = rng.randrange(n), _KINDS.value[i % len(_KINDS.value)]
       start = time.time()
-      detail = os_faults.FAULTS[kind](pids[rank], _EPISODE_S.value)
+      detail = faults_[kind](pids[rank], _EPISODE_S.value)
       episodes.append({"kind": kind, "start": start, "end": time.time(), "rank": rank,
                        "pid": pids[rank], **detail})
       print(f"[real] episode {i + 1}/{_EPISODES.value}: {kind} on rank {rank} {detail}",

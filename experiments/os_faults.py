@@ -4,8 +4,11 @@ Each acts on a running worker by its process id and shares nothing with the dete
 detectors read counters the kernel keeps (run-queue wait, page faults, CPU time); the faults
 change what the kernel does to the process.
 
-  hog       a busy process in a session of its own (another user's job), pinned with the victim
-            to one core: the scheduler shares that core between them;
+  hog       busy processes, each in a session of its own (another user's jobs), pinned with the
+            victim to one core: the scheduler shares that core between them. With more workers
+            than cores, one busy process only takes the victim's core down to what every worker
+            already gets (3 workers + 1 on 2 cores: half a core each); `busy` = workers / cores,
+            rounded up, leaves the victim less than its peers;
   throttle  SIGSTOP for 0.5 s of every second (the OS taking the whole process away, in
             whatever phase it is);
   mem       memory pressure: every 0.5 s the kernel is asked to reclaim the victim's anonymous
@@ -37,22 +40,25 @@ def _pin(pid: int, cores: set[int]) -> None:
       pass
 
 
-def hog(victim: int, seconds: float, core: int | None = None) -> dict:
-  """Pins `victim` and a busy process (own session) to one core (default: the victim's first)
-  for `seconds`, then undoes it."""
+def hog(victim: int, seconds: float, core: int | None = None, busy: int = 1) -> dict:
+  """Pins `victim` and `busy` busy processes (each in its own session) to one core (default:
+  the victim's first) for `seconds`, then undoes it."""
   before = os.sched_getaffinity(victim)
   core = sorted(before)[0] if core is None else core
-  busy = subprocess.Popen([sys.executable, "-c", "while True:\n  pass\n"],
-                          start_new_session=True)
+  procs = []
   try:
-    os.sched_setaffinity(busy.pid, {core})
+    for _ in range(busy):
+      procs.append(subprocess.Popen([sys.executable, "-c", "while True:\n  pass\n"],
+                                    start_new_session=True))
+      os.sched_setaffinity(procs[-1].pid, {core})
     _pin(victim, {core})
     time.sleep(seconds)
   finally:
-    busy.kill()
-    busy.wait()
+    for p in procs:
+      p.kill()
+      p.wait()
     _pin(victim, before)
-  return {"core": core}
+  return {"core": core, "busy": busy}
 
 
 def throttle(victim: int, seconds: float) -> dict:
