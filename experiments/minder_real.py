@@ -18,9 +18,7 @@ A flag naming the victim during its fault (or GRACE_S after) is a detection, any
 false positive; latency is from the fault's start to the flag. The record also has, per fault
 kind and metric, the victim's median against its peers' (what separated it, and what did not).
 """
-import functools
 import json
-import math
 import os
 import random
 import signal
@@ -150,8 +148,7 @@ def main(argv):
       os.remove(path)
   # SIGTERM ends the run through the `finally` below (the job, the busy processes, the swap).
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-  busy = math.ceil(n / len(os.sched_getaffinity(0)))
-  faults_ = {**os_faults.FAULTS, "hog": functools.partial(os_faults.hog, busy=busy)}
+  faults_ = os_faults.FAULTS
   swapped = "mem" in _KINDS.value and os_faults.swap_on()
   log = open(os.path.join(workdir, "launcher.log"), "w")
   proc = subprocess.Popen(job.command(workdir, launcher, train), cwd=job.REPO,

@@ -4,11 +4,11 @@ Each acts on a running worker by its process id and shares nothing with the dete
 detectors read counters the kernel keeps (run-queue wait, page faults, CPU time); the faults
 change what the kernel does to the process.
 
-  hog       busy processes, each in a session of its own (another user's jobs), pinned with the
-            victim to one core: the scheduler shares that core between them. With more workers
-            than cores, one busy process only takes the victim's core down to what every worker
-            already gets (3 workers + 1 on 2 cores: half a core each); `busy` = workers / cores,
-            rounded up, leaves the victim less than its peers;
+  hog       a busy process in a session of its own (another user's job) at a higher priority
+            (nice -10; with autogroups, which share CPU between sessions first, the session's
+            nice), pinned with the victim to one core. At equal priority it took nothing from
+            the victim in our runs: with autogroups the job's session gets the victim's core as
+            a whole when the victim is alone on it there, and 3 workers already share 2 cores;
   throttle  SIGSTOP for 0.5 s of every second (the OS taking the whole process away, in
             whatever phase it is);
   mem       memory pressure: every 0.5 s the kernel is asked to reclaim the victim's anonymous
@@ -40,9 +40,10 @@ def _pin(pid: int, cores: set[int]) -> None:
       pass
 
 
-def hog(victim: int, seconds: float, core: int | None = None, busy: int = 1) -> dict:
-  """Pins `victim` and `busy` busy processes (each in its own session) to one core (default:
-  the victim's first) for `seconds`, then undoes it."""
+def hog(victim: int, seconds: float, core: int | None = None, busy: int = 1,
+        nice: int = -10) -> dict:
+  """Pins `victim` and `busy` busy processes (each in its own session, at `nice`) to one core
+  (default: the victim's first) for `seconds`, then undoes it."""
   before = os.sched_getaffinity(victim)
   core = sorted(before)[0] if core is None else core
   procs = []
@@ -51,6 +52,7 @@ def hog(victim: int, seconds: float, core: int | None = None, busy: int = 1) -> 
       procs.append(subprocess.Popen([sys.executable, "-c", "while True:\n  pass\n"],
                                     start_new_session=True))
       os.sched_setaffinity(procs[-1].pid, {core})
+      _raise_priority(procs[-1].pid, nice)
     _pin(victim, {core})
     time.sleep(seconds)
   finally:
@@ -58,7 +60,17 @@ def hog(victim: int, seconds: float, core: int | None = None, busy: int = 1) -> 
       p.kill()
       p.wait()
     _pin(victim, before)
-  return {"core": core, "busy": busy}
+  return {"core": core, "busy": busy, "nice": nice}
+
+
+def _raise_priority(pid: int, nice: int) -> None:
+  """`nice` for the process and, where autogroups are on, for its session's group."""
+  os.setpriority(os.PRIO_PROCESS, pid, nice)
+  try:
+    with open(f"/proc/{pid}/autogroup", "w") as f:
+      f.write(str(nice))
+  except OSError:
+    pass
 
 
 def throttle(victim: int, seconds: float) -> dict:
