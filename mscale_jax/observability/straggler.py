@@ -43,8 +43,8 @@ HOST_METRICS = ("probe_ms", "rss_mb")   # the host probes the detector compares
 # Per-second monitoring samples the detector compares, and the excess over the other ranks'
 # median that counts as abnormal. runq_wait_share: healthy ranks of a 2-process job on this
 # loaded 2-core host stayed within 0.07 of each other (5-s means over 2 min), a busy process
-# on one rank's core put it 0.2 above (docs/monitoring.md). majflt_per_s: healthy ranks have
-# none once compiled; a rank whose memory is reclaimed takes thousands a second.
+# on one rank's core put it 0.14-0.2 above (docs/monitoring.md). majflt_per_s: healthy ranks
+# have none once compiled; a rank whose memory is reclaimed takes thousands a second.
 OS_THRESHOLDS = {"runq_wait_share": 0.1, "majflt_per_s": 100.0}
 OS_METRICS = tuple(OS_THRESHOLDS)
 
