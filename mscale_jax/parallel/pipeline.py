@@ -345,7 +345,7 @@ class _Chunks:
         return None, stash
       return self.apply(op, cp, x, tokens, tgt), stash
     out, vjp = self._vjp(op, cp, x, tokens, tgt)
-    return out, jax.tree.leaves(vjp)
+    return out, self._activations(op, cp, vjp)
 
   def stash_shapes(self, op) -> list:
     """ShapeDtypeStructs of what `forward(op, ...)` stashes."""
@@ -357,9 +357,34 @@ class _Chunks:
     if self.recompute == "full":
       value, vjp = self._vjp(op, cp, self.embed(tokens) if op.first else leaves[0], tokens, tgt)
       return vjp, (value if op.last else None)
-    structure = jax.tree.structure(jax.eval_shape(
-        lambda *a: self._vjp(op, *a)[1], cp, self.act, tokens, tgt))
-    return jax.tree.unflatten(structure, leaves), None
+    structure, where = self._residual_layout(op, tokens, tgt)
+    params, leaves = jax.tree.leaves((cp, self._own(op))), iter(leaves)
+    residuals = [next(leaves) if i is None else params[i] for i in where]
+    return jax.tree.unflatten(structure, residuals), None
+
+  def _parameter_residuals(self, op, cp, vjp) -> list:
+    """Per residual leaf of `vjp`: the index of the parameter leaf (of (cp, the shared
+    parameters `op` reads)) it is, or None for an activation. The backward reads the weights
+    where they are; stashing them would copy every weight once per microbatch."""
+    params = jax.tree.leaves((cp, self._own(op)))
+    return [next((i for i, p in enumerate(params) if leaf is p), None)
+            for leaf in jax.tree.leaves(vjp)]
+
+  def _activations(self, op, cp, vjp) -> list:
+    """The residual leaves of `vjp` to stash: all but the parameters."""
+    return [leaf for leaf, i in zip(jax.tree.leaves(vjp), self._parameter_residuals(op, cp, vjp))
+            if i is None]
+
+  def _residual_layout(self, op, tokens, tgt):
+    """(tree structure of `op`'s vjp, `_parameter_residuals` of it), from a trace."""
+    where = []
+
+    def trace(cp, x, tokens, tgt):
+      _, vjp = self._vjp(op, cp, x, tokens, tgt)
+      where.extend(self._parameter_residuals(op, cp, vjp))
+      return vjp
+    structure = jax.tree.structure(jax.eval_shape(trace, self.example[0], self.act, tokens, tgt))
+    return structure, where
 
 
 class _Pools:
