@@ -7,10 +7,11 @@ plan (`pipeline_plan.py`, indexed by `axis_index('stage')`) and `lax.switch`es t
 of its action, one per (kind, first chunk?, last chunk?) the table uses:
   idle      nothing;
   F         its chunk of layers on a microbatch; the model's first chunk embeds the tokens
-            first, its last ends in the loss head. With recompute='none' it runs under
-            `jax.vjp` and stashes the vjp's residuals (a pytree of arrays: the matmul
-            outputs, as the chunk is checkpointed with `dots_saveable`, so its backward
-            redoes elementwise work but no matmul); with 'full' it
+            first, its last ends in the loss head. With recompute='none' or 'selective'
+            it runs under `jax.vjp` and stashes the vjp's activation residuals (a pytree
+            of arrays: the matmul outputs, but attention's with 'selective', as the chunk
+            is checkpointed with a policy, `STASH_POLICIES`; weights are read in place,
+            never stashed); with 'full' it
             stashes the chunk input only (and the last chunk defers everything to its B);
   B         the chunk's vjp applied to the output cotangent (the received message, or 1 for
             the loss): from the stashed residuals, or by running the forward again from the
@@ -20,9 +21,9 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
   W         the weight gradients of that (microbatch, chunk), from the same stash.
 The loss head runs on the last chunk's ticks only and the embedding lookup on the first
 chunk's forward ticks only; the embedding's backward (a scatter-add into the table gradient)
-runs outside the switch, on every tick (zeros but on the first chunk's backward ticks):
-inside it, XLA:CPU partitions that scatter-add with collective-permutes over all devices,
-which deadlock when stages take different branches. Forward outputs travel a ring
+runs once per step after the ticks, over every microbatch's first-chunk input cotangent
+(kept from its backward tick): inside the switch XLA:CPU partitions that scatter-add with
+collective-permutes over all devices, which deadlock when stages take different branches. Forward outputs travel a ring
 `ppermute` to stage s+1 (stage p-1 -> 0 is interleaving's wrap-around), input cotangents one
 to stage s-1. Messages wait in receive slots and stashes in stash slots, assigned from the
 table's lifetimes, so memory follows the schedule: 1F1B stashes ~p microbatches where GPipe
@@ -84,7 +85,15 @@ def reorder_layers(tree, num_layers: int, source: tuple[int, int], target: tuple
   return jax.tree_util.tree_map_with_path(move, tree)
 
 
-RECOMPUTE = ("full", "none")
+RECOMPUTE = ("full", "selective", "none")
+# What a stashing backward keeps of its forward (the rest it recomputes; never a weight: see
+# `_Chunks._parameter_residuals`). 'none': every matmul output, so no matmul runs twice.
+# 'selective': the matmul outputs but attention's batched ones (QK^T and PV), whose core
+# (scores, softmax, PV) the backward recomputes: Megatron's selective activation
+# recomputation (Korthikanti et al., 2022), a few percent more FLOPs for the stash's largest
+# part at long sequences.
+STASH_POLICIES = {"none": jax.checkpoint_policies.dots_saveable,
+                  "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtual: int,
@@ -99,7 +108,9 @@ def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtu
     batch: {'inputs', 'targets'}: int32 [batch, seq], batch over (data, fsdp). Microbatch i
       is rows i, i + m, i + 2m, ...: each data shard splits its own rows.
     recompute: 'full' stashes chunk inputs and runs each forward again in its backward;
-      'none' stashes the backward's residuals, so no forward runs twice.
+      'none' stashes the backward's residuals (activations: every matmul output), so no
+      matmul runs twice; 'selective' stashes them but attention's core, which the backward
+      recomputes (`STASH_POLICIES`).
   Returns:
     (loss, grads), grads laid out like params. Call under `jax.set_mesh(mesh)` inside jit.
   """
@@ -173,7 +184,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
 
   def backward_of(op, state, t):
     """The chunk's vjp, from its stash (and, with recompute, the loss it recomputed)."""
-    leaves = pools.load(t["pools"], op, t["stash_slot"])
+    leaves = pools.load(t["pools"], op, t["stash_slots"])
     return program.vjp(op, t["cp"], leaves, t["tokens"], t["tgt"])
 
   def seed(op, t):   # the output cotangent: 1 for the loss, else the received message
@@ -211,11 +222,13 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   # Buffers too large to pass through the switch (XLA may copy a conditional's results) are
   # written after it: a branch returns what to file; ticks that file nothing write a spare
   # last slot.
-  files = {pool: jnp.asarray([op.kind == schedule_lib.FORWARD and op.pool == pool
-                              for op in plan.ops]) for pool in (plan_lib.MAIN, plan_lib.LAST)}
+  files = {pool: jnp.asarray([op.kind == schedule_lib.FORWARD and (pool == plan_lib.MAIN or
+                                                                  op.last) for op in plan.ops])
+           for pool in (plan_lib.MAIN, plan_lib.LAST)}
+  slot_field = {plan_lib.MAIN: "stash_slot", plan_lib.LAST: "last_slot"}
   files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD and not op.last
                            for op in plan.ops]) & plan.split_backward
-  big = ("inbox", "out_f", "out_b", "pools", "cot")
+  big = ("inbox", "out_f", "out_b", "pools", "cot", "embed_cot")
   embeds_back = jnp.asarray([op.first and op.kind == (
       schedule_lib.WEIGHT if plan.split_backward else schedule_lib.BACKWARD) for op in plan.ops])
 
@@ -229,21 +242,19 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     state = {k: carry[k] for k in carry if k not in big}
     if "pools" in carry:
       # Read-only in the switch (a branch slices the slot it needs); written after it.
-      t["pools"], t["stash_slot"] = carry["pools"], slot("stash_slot")
+      t["pools"] = carry["pools"]
+      t["stash_slots"] = {pool: slot(name) for pool, name in slot_field.items()}
       state["stash_out"] = pools.blank()
     if "cot" in carry:
       t["cot_in"], state["cot_out"] = carry["cot"][slot("cot_slot")], act
     state, out_f, out_b = jax.lax.switch(f["op"], branches, state, t)
-    if recompute is not None and program.replicated:
-      # The embedding's backward, on every tick and stage (outside the switch: see
-      # `_Chunks`), fed the first chunk's input cotangent on its backward ticks, else zeros.
-      _, embed_vjp = jax.vjp(lambda tables: program.embed(t["tokens"], tables),
-                             {k: shared[k] for k in program.replicated})
-      (d_tables,) = embed_vjp(jnp.where(embeds_back[f["op"]], out_b, 0).astype(out_b.dtype))
-      state["grad_shared"] = {**state["grad_shared"], **{
-          k: state["grad_shared"][k] + g for k, g in d_tables.items()}}
+    if "embed_cot" in carry:
+      # The first chunk's input cotangent, kept per microbatch for the embedding's backward
+      # after the ticks (ticks that produce none write a spare last slot).
+      state["embed_cot"] = carry["embed_cot"].at[jnp.where(embeds_back[f["op"]], i, m)].set(
+          out_b)
     if "pools" in carry:
-      write = {pool: jnp.where(files[pool][f["op"]], slot("stash_slot"),
+      write = {pool: jnp.where(files[pool][f["op"]], t["stash_slots"][pool],
                                plan.stash_slots[pool]) for pool in files}
       state["pools"] = pools.write(carry["pools"], state.pop("stash_out"), write)
     if "cot" in carry:
@@ -271,10 +282,21 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     carry.update(cot=_slots(plan.cotangent_slots + 1, act))
   if overlap:
     carry.update(out_f=act, out_b=act)
+  if recompute is not None and program.replicated:
+    carry.update(embed_cot=_slots(m + 1, act))
   rows = {k: jnp.asarray(a) for k, a in plan.fields.items()}
   carry, _ = jax.lax.scan(tick, carry, rows)
   if recompute is None:
     return _sum_stages(carry["loss"], p)
+  if "embed_cot" in carry:
+    # The embedding's backward, once per step on every stage (outside the switch: see
+    # `_Chunks`), over all microbatches: zeros but on the first chunk's stage.
+    _, embed_vjp = jax.vjp(lambda tables: program.embed(inputs.reshape(-1, inputs.shape[-1]),
+                                                        tables),
+                           {k: shared[k] for k in program.replicated})
+    (d_tables,) = embed_vjp(carry["embed_cot"][:m].reshape(-1, *act.shape[1:]))
+    carry["grad_shared"] = {**carry["grad_shared"], **{
+        k: carry["grad_shared"][k] + g for k, g in d_tables.items()}}
   grad_blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["grad_chunks"])
   loss = _sum_stages(carry["loss"], p)
   grad_shared = _sum_stages(carry["grad_shared"], p)
@@ -289,7 +311,7 @@ class _Chunks:
   the first, all of them on the last, whose head may be tied to the embedding) and its input.
   The first chunk's input is the embedding of its tokens, looked up (in its branch) in a copy
   of the tables replicated over the stage's devices, gathered once per step before the ticks;
-  the embedding's backward runs outside the switch (`_per_stage`). Inside the switch XLA
+  the embedding's backward runs once after the ticks (`_per_stage`). Inside the switch XLA
   partitions a gather from a tensor-sharded table, and the scatter-add of its backward, with
   collective-permutes over every device, which deadlock when the stages take different
   branches (XLA:CPU, jax 0.10).
@@ -325,11 +347,11 @@ class _Chunks:
 
   def _vjp(self, op, cp, x, tokens, tgt):
     fn = self._fn(op, tokens, tgt)
-    if self.recompute == "none":
-      # Keep the matmul outputs, recompute elementwise work: the stash then holds what a
-      # backward needs to run no matmul twice, not every intermediate (and no copies of
-      # weights) that jax.vjp would otherwise save.
-      fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+    if self.recompute in STASH_POLICIES:
+      # Keep the policy's matmul outputs, recompute the rest (elementwise work; with
+      # 'selective' attention's core): the stash then holds what a backward needs, not every
+      # intermediate that jax.vjp would otherwise save.
+      fn = jax.checkpoint(fn, policy=STASH_POLICIES[self.recompute])
     return jax.vjp(fn, cp, self._own(op), x)
 
   def apply(self, op, cp, x, tokens, tgt):
@@ -388,28 +410,30 @@ class _Chunks:
 
 
 class _Pools:
-  """Stash slots for each pool (`plan_lib.MAIN`, `LAST`): one array [slots, *shape] per
-  stashed leaf. Ops of one pool share slots and arrays: the j-th leaf of a (shape, dtype) in
-  one op's stash goes where the j-th such leaf of another op's goes (the first chunk stashes
-  what any other stashes, plus its embedding's residuals)."""
+  """Stash slots: one array [slots, *shape] per stashed leaf, in two pools. Every chunk's
+  forward files into `plan_lib.MAIN` (slot: the plan's `stash_slot`), where the j-th leaf of
+  a (shape, dtype) in one op's stash goes where the j-th such leaf of another op's goes (the
+  first chunk stashes what any other stashes, plus its embedding's residuals). The model's
+  last chunk files there too, and what no other chunk stashes (the loss head's residuals:
+  logits, targets) into `plan_lib.LAST` (slot: `last_slot`), sized by its own lifetimes."""
 
   def __init__(self, program: _Chunks, plan: plan_lib.Plan):
-    self.plan, self.layout, self.arrays = plan, {}, {}
-    for pool in (plan_lib.MAIN, plan_lib.LAST):
-      keys = []
-      for op in plan.ops:
-        if op.kind != schedule_lib.FORWARD or op.pool != pool:
-          continue
-        seen, where = {}, []
-        for leaf in program.stash_shapes(op):
-          key = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
-          key = key + (seen.get(key, 0),)
-          seen[key[:2]] = key[2] + 1
-          if key not in keys:
-            keys.append(key)
-          where.append(keys.index(key))
-        self.layout[op.first, op.last] = where
-      self.arrays[pool] = keys
+    self.plan, self.layout = plan, {}
+    self.arrays = {plan_lib.MAIN: [], plan_lib.LAST: []}
+    forwards = [op for op in plan.ops if op.kind == schedule_lib.FORWARD]
+    for op in sorted(forwards, key=lambda op: op.last):   # the last chunk's after the others
+      seen, where = {}, []
+      for leaf in program.stash_shapes(op):
+        key = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
+        key = key + (seen.get(key, 0),)
+        seen[key[:2]] = key[2] + 1
+        main = self.arrays[plan_lib.MAIN]
+        pool = plan_lib.MAIN if key in main or not op.last or len(forwards) == 1 else plan_lib.LAST
+        keys = self.arrays[pool]
+        if key not in keys:
+          keys.append(key)
+        where.append((pool, keys.index(key)))
+      self.layout[op.first, op.last] = where
     self.act_shape = program.act.shape
 
   def zeros(self) -> dict:
@@ -431,13 +455,13 @@ class _Pools:
   def record(self, op, leaves) -> dict:
     """`blank()` with `op`'s stashed leaves in their places."""
     out = self.blank()
-    for leaf, k in zip(leaves, self.layout[op.first, op.last]):
-      out[op.pool][k] = leaf
+    for leaf, (pool, k) in zip(leaves, self.layout[op.first, op.last]):
+      out[pool][k] = leaf
     return out
 
-  def load(self, pools: dict, op, slot) -> list:
-    """`op`'s stashed leaves in slot `slot`."""
-    return [pools[op.pool][k][slot] for k in self.layout[op.first, op.last]]
+  def load(self, pools: dict, op, slots: dict) -> list:
+    """`op`'s stashed leaves, from slot `slots[pool]` of each pool."""
+    return [pools[pool][k][slots[pool]] for pool, k in self.layout[op.first, op.last]]
 
   def write(self, pools: dict, record: dict, slots: dict) -> dict:
     """`pools` with `record` written into slot `slots[pool]` of each pool."""
