@@ -21,9 +21,9 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
   W         the weight gradients of that (microbatch, chunk), from the same stash.
 The loss head runs on the last chunk's ticks only and the embedding lookup on the first
 chunk's forward ticks only; the embedding's backward (a scatter-add into the table gradient)
-runs once per step after the ticks, over every microbatch's first-chunk input cotangent
-(kept from its backward tick): inside the switch XLA:CPU partitions that scatter-add with
-collective-permutes over all devices, which deadlock when stages take different branches. Forward outputs travel a ring
+runs outside the switch, on every tick (zeros but on the first chunk's backward ticks):
+inside it, XLA:CPU partitions that scatter-add with collective-permutes over all devices,
+which deadlock when stages take different branches. Forward outputs travel a ring
 `ppermute` to stage s+1 (stage p-1 -> 0 is interleaving's wrap-around), input cotangents one
 to stage s-1. Messages wait in receive slots and stashes in stash slots, assigned from the
 table's lifetimes, so memory follows the schedule: 1F1B stashes ~p microbatches where GPipe
@@ -228,7 +228,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   slot_field = {plan_lib.MAIN: "stash_slot", plan_lib.LAST: "last_slot"}
   files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD and not op.last
                            for op in plan.ops]) & plan.split_backward
-  big = ("inbox", "out_f", "out_b", "pools", "cot", "embed_cot")
+  big = ("inbox", "out_f", "out_b", "pools", "cot")
   embeds_back = jnp.asarray([op.first and op.kind == (
       schedule_lib.WEIGHT if plan.split_backward else schedule_lib.BACKWARD) for op in plan.ops])
 
@@ -248,11 +248,16 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     if "cot" in carry:
       t["cot_in"], state["cot_out"] = carry["cot"][slot("cot_slot")], act
     state, out_f, out_b = jax.lax.switch(f["op"], branches, state, t)
-    if "embed_cot" in carry:
-      # The first chunk's input cotangent, kept per microbatch for the embedding's backward
-      # after the ticks (ticks that produce none write a spare last slot).
-      state["embed_cot"] = carry["embed_cot"].at[jnp.where(embeds_back[f["op"]], i, m)].set(
-          out_b)
+    if recompute is not None and program.replicated:
+      # The embedding's backward, on every tick and stage (outside the switch: see
+      # `_Chunks`), fed the first chunk's input cotangent on its backward ticks, else zeros.
+      # (Kept per microbatch and run once after the ticks instead, its buffer would grow
+      # with m and undo 1F1B's bounded memory.)
+      _, embed_vjp = jax.vjp(lambda tables: program.embed(t["tokens"], tables),
+                             {k: shared[k] for k in program.replicated})
+      (d_tables,) = embed_vjp(jnp.where(embeds_back[f["op"]], out_b, 0).astype(out_b.dtype))
+      state["grad_shared"] = {**state["grad_shared"], **{
+          k: state["grad_shared"][k] + g for k, g in d_tables.items()}}
     if "pools" in carry:
       write = {pool: jnp.where(files[pool][f["op"]], t["stash_slots"][pool],
                                plan.stash_slots[pool]) for pool in files}
@@ -282,21 +287,10 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     carry.update(cot=_slots(plan.cotangent_slots + 1, act))
   if overlap:
     carry.update(out_f=act, out_b=act)
-  if recompute is not None and program.replicated:
-    carry.update(embed_cot=_slots(m + 1, act))
   rows = {k: jnp.asarray(a) for k, a in plan.fields.items()}
   carry, _ = jax.lax.scan(tick, carry, rows)
   if recompute is None:
     return _sum_stages(carry["loss"], p)
-  if "embed_cot" in carry:
-    # The embedding's backward, once per step on every stage (outside the switch: see
-    # `_Chunks`), over all microbatches: zeros but on the first chunk's stage.
-    _, embed_vjp = jax.vjp(lambda tables: program.embed(inputs.reshape(-1, inputs.shape[-1]),
-                                                        tables),
-                           {k: shared[k] for k in program.replicated})
-    (d_tables,) = embed_vjp(carry["embed_cot"][:m].reshape(-1, *act.shape[1:]))
-    carry["grad_shared"] = {**carry["grad_shared"], **{
-        k: carry["grad_shared"][k] + g for k, g in d_tables.items()}}
   grad_blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["grad_chunks"])
   loss = _sum_stages(carry["loss"], p)
   grad_shared = _sum_stages(carry["grad_shared"], p)
@@ -311,7 +305,7 @@ class _Chunks:
   the first, all of them on the last, whose head may be tied to the embedding) and its input.
   The first chunk's input is the embedding of its tokens, looked up (in its branch) in a copy
   of the tables replicated over the stage's devices, gathered once per step before the ticks;
-  the embedding's backward runs once after the ticks (`_per_stage`). Inside the switch XLA
+  the embedding's backward runs outside the switch (`_per_stage`). Inside the switch XLA
   partitions a gather from a tensor-sharded table, and the scatter-add of its backward, with
   collective-permutes over every device, which deadlock when the stages take different
   branches (XLA:CPU, jax 0.10).
