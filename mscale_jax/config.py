@@ -119,12 +119,14 @@ class PipelineConfig:
   layers). `overlap` sends a tick's outputs while the next tick computes (MegaScale's PP
   overlap: a tick of latency per hop, which the schedule module's tables absorb).
   `recompute`: 'full' (default) stashes only chunk inputs and runs each chunk's forward
-  again in its backward; 'none' stashes each chunk's backward residuals (its matmul outputs)
-  from its forward to its backward, so no matmul runs twice (~25% fewer FLOPs per step, more
-  memory). The default is the faster one measured: on the issue-24 CPU comparison 'full' ran
-  at 0.82x the unpipelined tokens/s and 'none' at 0.60x (results/pipeline_throughput-*; not
-  profiled: most likely the stash's per-tick slot writes cost more than the recompute on
-  that memory-bound host). Measure 'none' where memory bandwidth is cheap next to compute. 'zb_h1' splits the backward into
+  again in its backward; 'none' stashes each chunk's backward residuals (its matmul outputs,
+  never its weights) from its forward to its backward, so no matmul runs twice (~15% fewer
+  FLOPs per step than 'full', more memory); 'selective' stashes them but attention's and redoes
+  attention's core (Megatron's selective recomputation). 'none' used to be slower on CPU
+  (0.60x against 'full''s 0.82x of the unpipelined tokens/s: copying the weights into the
+  stash every forward); on the loaded CPU host the three now measure alike
+  (results/pipeline_throughput-*), so the default is the one that needs least memory. Measure
+  'none' where compute dominates. 'zb_h1' splits the backward into
   the input gradient (B) and the weight gradient (W), which fills the bubbles.
   """
   schedule: str = "1f1b"
