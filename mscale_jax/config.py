@@ -25,7 +25,7 @@ DOCUMENT_KINDS = ("stdlib", "prepared")   # corpora with an end-of-document toke
 TOKEN_DTYPES = ("uint16", "uint32")
 MESH_AXES = ("data", "fsdp", "stage", "tensor")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")   # parallel/schedule.py
-PIPELINE_RECOMPUTE = ("none", "full")   # parallel/pipeline.py
+PIPELINE_RECOMPUTE = ("none", "selective", "full")   # parallel/pipeline.py
 NONFINITE_POLICIES = ("stop", "skip_step", "rollback")
 DP_COMMS = ("none", "sdp4bit")            # data-parallel collectives (mscale_jax/sdp4bit/)
 SDP4BIT_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)   # integer codes; 16: bfloat16; 32: unquantized
@@ -119,13 +119,16 @@ class PipelineConfig:
   layers). `overlap` sends a tick's outputs while the next tick computes (MegaScale's PP
   overlap: a tick of latency per hop, which the schedule module's tables absorb).
   `recompute`: 'full' (default) stashes only chunk inputs and runs each chunk's forward
-  again in its backward; 'none' stashes each chunk's backward residuals (its matmul outputs)
-  from its forward to its backward, so no matmul runs twice (~25% fewer FLOPs per step, more
-  memory). The default is the faster one measured: on the issue-24 CPU comparison 'full' ran
-  at 0.82x the unpipelined tokens/s and 'none' at 0.60x (results/pipeline_throughput-*; not
-  profiled: most likely the stash's per-tick slot writes cost more than the recompute on
-  that memory-bound host). Measure 'none' where memory bandwidth is cheap next to compute. 'zb_h1' splits the backward into
-  the input gradient (B) and the weight gradient (W), which fills the bubbles.
+  again in its backward; 'none' stashes each chunk's backward residuals (its matmul outputs,
+  never its weights) from its forward to its backward, so no matmul runs twice (~15% fewer
+  FLOPs per step than 'full', more memory); 'selective' stashes them but attention's and redoes
+  attention's core (Megatron's selective recomputation). 'none' used to be slower on CPU
+  (0.60x against 'full''s 0.82x of the unpipelined tokens/s: copying the weights into the
+  stash every forward); now 1F1B 'none' runs at 0.82x and 'selective' at 0.90x of 'full''s
+  tokens/s there (results/pipeline_throughput-cpu-20261126T101016.json), so 'full' stays the
+  default (and needs the least memory). Measure 'none' where compute dominates. 'zb_h1'
+  splits the backward into the input gradient (B) and the weight gradient (W), which fills
+  the bubbles.
   """
   schedule: str = "1f1b"
   microbatches: int = 4

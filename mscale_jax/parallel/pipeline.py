@@ -7,10 +7,11 @@ plan (`pipeline_plan.py`, indexed by `axis_index('stage')`) and `lax.switch`es t
 of its action, one per (kind, first chunk?, last chunk?) the table uses:
   idle      nothing;
   F         its chunk of layers on a microbatch; the model's first chunk embeds the tokens
-            first, its last ends in the loss head. With recompute='none' it runs under
-            `jax.vjp` and stashes the vjp's residuals (a pytree of arrays: the matmul
-            outputs, as the chunk is checkpointed with `dots_saveable`, so its backward
-            redoes elementwise work but no matmul); with 'full' it
+            first, its last ends in the loss head. With recompute='none' or 'selective'
+            it runs under `jax.vjp` and stashes the vjp's activation residuals (a pytree
+            of arrays: the matmul outputs, but attention's with 'selective', as the chunk
+            is checkpointed with a policy, `STASH_POLICIES`; weights are read in place,
+            never stashed); with 'full' it
             stashes the chunk input only (and the last chunk defers everything to its B);
   B         the chunk's vjp applied to the output cotangent (the received message, or 1 for
             the loss): from the stashed residuals, or by running the forward again from the
@@ -84,7 +85,15 @@ def reorder_layers(tree, num_layers: int, source: tuple[int, int], target: tuple
   return jax.tree_util.tree_map_with_path(move, tree)
 
 
-RECOMPUTE = ("full", "none")
+RECOMPUTE = ("full", "selective", "none")
+# What a stashing backward keeps of its forward (the rest it recomputes; never a weight: see
+# `_Chunks._parameter_residuals`). 'none': every matmul output, so no matmul runs twice.
+# 'selective': the matmul outputs but attention's batched ones (QK^T and PV), whose core
+# (scores, softmax, PV) the backward recomputes: Megatron's selective activation
+# recomputation (Korthikanti et al., 2022), a few percent more FLOPs for the stash's largest
+# part at long sequences.
+STASH_POLICIES = {"none": jax.checkpoint_policies.dots_saveable,
+                  "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtual: int,
@@ -99,7 +108,9 @@ def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtu
     batch: {'inputs', 'targets'}: int32 [batch, seq], batch over (data, fsdp). Microbatch i
       is rows i, i + m, i + 2m, ...: each data shard splits its own rows.
     recompute: 'full' stashes chunk inputs and runs each forward again in its backward;
-      'none' stashes the backward's residuals, so no forward runs twice.
+      'none' stashes the backward's residuals (activations: every matmul output), so no
+      matmul runs twice; 'selective' stashes them but attention's core, which the backward
+      recomputes (`STASH_POLICIES`).
   Returns:
     (loss, grads), grads laid out like params. Call under `jax.set_mesh(mesh)` inside jit.
   """
@@ -173,7 +184,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
 
   def backward_of(op, state, t):
     """The chunk's vjp, from its stash (and, with recompute, the loss it recomputed)."""
-    leaves = pools.load(t["pools"], op, t["stash_slot"])
+    leaves = pools.load(t["pools"], op, t["stash_slots"])
     return program.vjp(op, t["cp"], leaves, t["tokens"], t["tgt"])
 
   def seed(op, t):   # the output cotangent: 1 for the loss, else the received message
@@ -211,8 +222,10 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   # Buffers too large to pass through the switch (XLA may copy a conditional's results) are
   # written after it: a branch returns what to file; ticks that file nothing write a spare
   # last slot.
-  files = {pool: jnp.asarray([op.kind == schedule_lib.FORWARD and op.pool == pool
-                              for op in plan.ops]) for pool in (plan_lib.MAIN, plan_lib.LAST)}
+  files = {pool: jnp.asarray([op.kind == schedule_lib.FORWARD and (pool == plan_lib.MAIN or
+                                                                  op.last) for op in plan.ops])
+           for pool in (plan_lib.MAIN, plan_lib.LAST)}
+  slot_field = {plan_lib.MAIN: "stash_slot", plan_lib.LAST: "last_slot"}
   files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD and not op.last
                            for op in plan.ops]) & plan.split_backward
   big = ("inbox", "out_f", "out_b", "pools", "cot")
@@ -229,7 +242,8 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     state = {k: carry[k] for k in carry if k not in big}
     if "pools" in carry:
       # Read-only in the switch (a branch slices the slot it needs); written after it.
-      t["pools"], t["stash_slot"] = carry["pools"], slot("stash_slot")
+      t["pools"] = carry["pools"]
+      t["stash_slots"] = {pool: slot(name) for pool, name in slot_field.items()}
       state["stash_out"] = pools.blank()
     if "cot" in carry:
       t["cot_in"], state["cot_out"] = carry["cot"][slot("cot_slot")], act
@@ -237,13 +251,15 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     if recompute is not None and program.replicated:
       # The embedding's backward, on every tick and stage (outside the switch: see
       # `_Chunks`), fed the first chunk's input cotangent on its backward ticks, else zeros.
+      # (Kept per microbatch and run once after the ticks instead, its buffer would grow
+      # with m and undo 1F1B's bounded memory.)
       _, embed_vjp = jax.vjp(lambda tables: program.embed(t["tokens"], tables),
                              {k: shared[k] for k in program.replicated})
       (d_tables,) = embed_vjp(jnp.where(embeds_back[f["op"]], out_b, 0).astype(out_b.dtype))
       state["grad_shared"] = {**state["grad_shared"], **{
           k: state["grad_shared"][k] + g for k, g in d_tables.items()}}
     if "pools" in carry:
-      write = {pool: jnp.where(files[pool][f["op"]], slot("stash_slot"),
+      write = {pool: jnp.where(files[pool][f["op"]], t["stash_slots"][pool],
                                plan.stash_slots[pool]) for pool in files}
       state["pools"] = pools.write(carry["pools"], state.pop("stash_out"), write)
     if "cot" in carry:
@@ -325,11 +341,11 @@ class _Chunks:
 
   def _vjp(self, op, cp, x, tokens, tgt):
     fn = self._fn(op, tokens, tgt)
-    if self.recompute == "none":
-      # Keep the matmul outputs, recompute elementwise work: the stash then holds what a
-      # backward needs to run no matmul twice, not every intermediate (and no copies of
-      # weights) that jax.vjp would otherwise save.
-      fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+    if self.recompute in STASH_POLICIES:
+      # Keep the policy's matmul outputs, recompute the rest (elementwise work; with
+      # 'selective' attention's core): the stash then holds what a backward needs, not every
+      # intermediate that jax.vjp would otherwise save.
+      fn = jax.checkpoint(fn, policy=STASH_POLICIES[self.recompute])
     return jax.vjp(fn, cp, self._own(op), x)
 
   def apply(self, op, cp, x, tokens, tgt):
@@ -345,7 +361,7 @@ class _Chunks:
         return None, stash
       return self.apply(op, cp, x, tokens, tgt), stash
     out, vjp = self._vjp(op, cp, x, tokens, tgt)
-    return out, jax.tree.leaves(vjp)
+    return out, self._activations(op, cp, vjp)
 
   def stash_shapes(self, op) -> list:
     """ShapeDtypeStructs of what `forward(op, ...)` stashes."""
@@ -357,34 +373,61 @@ class _Chunks:
     if self.recompute == "full":
       value, vjp = self._vjp(op, cp, self.embed(tokens) if op.first else leaves[0], tokens, tgt)
       return vjp, (value if op.last else None)
-    structure = jax.tree.structure(jax.eval_shape(
-        lambda *a: self._vjp(op, *a)[1], cp, self.act, tokens, tgt))
-    return jax.tree.unflatten(structure, leaves), None
+    structure, where = self._residual_layout(op, tokens, tgt)
+    params, leaves = jax.tree.leaves((cp, self._own(op))), iter(leaves)
+    residuals = [next(leaves) if i is None else params[i] for i in where]
+    return jax.tree.unflatten(structure, residuals), None
+
+  def _parameter_residuals(self, op, cp, vjp) -> list:
+    """Per residual leaf of `vjp`: the index of the parameter leaf (of (cp, the shared
+    parameters `op` reads)) it is, or None for an activation. The backward reads the weights
+    where they are; stashing them would copy every weight once per microbatch."""
+    params = jax.tree.leaves((cp, self._own(op)))
+    return [next((i for i, p in enumerate(params) if leaf is p), None)
+            for leaf in jax.tree.leaves(vjp)]
+
+  def _activations(self, op, cp, vjp) -> list:
+    """The residual leaves of `vjp` to stash: all but the parameters."""
+    return [leaf for leaf, i in zip(jax.tree.leaves(vjp), self._parameter_residuals(op, cp, vjp))
+            if i is None]
+
+  def _residual_layout(self, op, tokens, tgt):
+    """(tree structure of `op`'s vjp, `_parameter_residuals` of it), from a trace."""
+    where = []
+
+    def trace(cp, x, tokens, tgt):
+      _, vjp = self._vjp(op, cp, x, tokens, tgt)
+      where.extend(self._parameter_residuals(op, cp, vjp))
+      return vjp
+    structure = jax.tree.structure(jax.eval_shape(trace, self.example[0], self.act, tokens, tgt))
+    return structure, where
 
 
 class _Pools:
-  """Stash slots for each pool (`plan_lib.MAIN`, `LAST`): one array [slots, *shape] per
-  stashed leaf. Ops of one pool share slots and arrays: the j-th leaf of a (shape, dtype) in
-  one op's stash goes where the j-th such leaf of another op's goes (the first chunk stashes
-  what any other stashes, plus its embedding's residuals)."""
+  """Stash slots: one array [slots, *shape] per stashed leaf, in two pools. Every chunk's
+  forward files into `plan_lib.MAIN` (slot: the plan's `stash_slot`), where the j-th leaf of
+  a (shape, dtype) in one op's stash goes where the j-th such leaf of another op's goes (the
+  first chunk stashes what any other stashes, plus its embedding's residuals). The model's
+  last chunk files there too, and what no other chunk stashes (the loss head's residuals:
+  logits, targets) into `plan_lib.LAST` (slot: `last_slot`), sized by its own lifetimes."""
 
   def __init__(self, program: _Chunks, plan: plan_lib.Plan):
-    self.plan, self.layout, self.arrays = plan, {}, {}
-    for pool in (plan_lib.MAIN, plan_lib.LAST):
-      keys = []
-      for op in plan.ops:
-        if op.kind != schedule_lib.FORWARD or op.pool != pool:
-          continue
-        seen, where = {}, []
-        for leaf in program.stash_shapes(op):
-          key = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
-          key = key + (seen.get(key, 0),)
-          seen[key[:2]] = key[2] + 1
-          if key not in keys:
-            keys.append(key)
-          where.append(keys.index(key))
-        self.layout[op.first, op.last] = where
-      self.arrays[pool] = keys
+    self.plan, self.layout = plan, {}
+    self.arrays = {plan_lib.MAIN: [], plan_lib.LAST: []}
+    forwards = [op for op in plan.ops if op.kind == schedule_lib.FORWARD]
+    for op in sorted(forwards, key=lambda op: op.last):   # the last chunk's after the others
+      seen, where = {}, []
+      for leaf in program.stash_shapes(op):
+        key = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
+        key = key + (seen.get(key, 0),)
+        seen[key[:2]] = key[2] + 1
+        main = self.arrays[plan_lib.MAIN]
+        pool = plan_lib.MAIN if key in main or not op.last or len(forwards) == 1 else plan_lib.LAST
+        keys = self.arrays[pool]
+        if key not in keys:
+          keys.append(key)
+        where.append((pool, keys.index(key)))
+      self.layout[op.first, op.last] = where
     self.act_shape = program.act.shape
 
   def zeros(self) -> dict:
@@ -406,13 +449,13 @@ class _Pools:
   def record(self, op, leaves) -> dict:
     """`blank()` with `op`'s stashed leaves in their places."""
     out = self.blank()
-    for leaf, k in zip(leaves, self.layout[op.first, op.last]):
-      out[op.pool][k] = leaf
+    for leaf, (pool, k) in zip(leaves, self.layout[op.first, op.last]):
+      out[pool][k] = leaf
     return out
 
-  def load(self, pools: dict, op, slot) -> list:
-    """`op`'s stashed leaves in slot `slot`."""
-    return [pools[op.pool][k][slot] for k in self.layout[op.first, op.last]]
+  def load(self, pools: dict, op, slots: dict) -> list:
+    """`op`'s stashed leaves, from slot `slots[pool]` of each pool."""
+    return [pools[pool][k][slots[pool]] for pool, k in self.layout[op.first, op.last]]
 
   def write(self, pools: dict, record: dict, slots: dict) -> dict:
     """`pools` with `record` written into slot `slots[pool]` of each pool."""

@@ -7,8 +7,8 @@ compiled. Buffers, each a few slots reused as the table frees them:
   inbox     messages (activations, input cotangents) from arrival to use;
   stash     what a chunk's backward needs from its forward, from F to B (to W with a split
             backward): the chunk input (recompute='full') or the backward's residuals
-            (recompute='none'). The model's last chunk has its own pool (its residuals hold
-            the logits), every other chunk shares the main one;
+            (otherwise). Every chunk files into the main pool; the model's last chunk files
+            what only it stashes (the loss head's residuals: logits) into a pool of its own;
   cotangent (split backward only) the output cotangent a W reads, from its B to its W.
 Slot counts are the most lifetimes that overlap on any stage, so memory follows the table.
 """
@@ -20,8 +20,8 @@ import numpy as np
 
 from mscale_jax.parallel import schedule as schedule_lib
 
-FIELDS = ("op", "chunk", "microbatch", "x_slot", "g_slot", "stash_slot", "cot_slot", "recv_f",
-          "recv_b")
+FIELDS = ("op", "chunk", "microbatch", "x_slot", "g_slot", "stash_slot", "last_slot", "cot_slot",
+          "recv_f", "recv_b")
 MAIN, LAST = "main", "last"   # stash pools
 
 
@@ -30,11 +30,6 @@ class Op(NamedTuple):
   kind: str
   first: bool
   last: bool
-
-  @property
-  def pool(self) -> str:
-    """The stash pool this op uses: the model's last chunk has its own."""
-    return LAST if self.last else MAIN
 
 
 IDLE = Op("idle", False, False)
@@ -47,7 +42,7 @@ class Plan:
   table: schedule_lib.Table
   fields: dict
   ops: tuple
-  stash_slots: dict       # pool -> slots
+  stash_slots: dict       # pool (MAIN: every chunk; LAST: the last chunk's own) -> slots
   inbox_slots: int
   cotangent_slots: int
 
@@ -138,11 +133,10 @@ def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
     for pool in (MAIN, LAST):
       lifetimes = {}
       for a, t in at.items():
-        if a.kind == schedule_lib.FORWARD and ((s, a.chunk) == (p - 1, v - 1)) == (pool == LAST):
+        if a.kind == schedule_lib.FORWARD and (pool == MAIN or (s, a.chunk) == (p - 1, v - 1)):
           end = t if forward else at[schedule_lib.Action(release, a.microbatch, a.chunk)]
           lifetimes[(a.microbatch, a.chunk)] = (t, end)
-      slots, count = assign(lifetimes)
-      stash.update(slots)
+      stash[pool], count = assign(lifetimes)
       stash_slots[pool] = max(stash_slots[pool], count)
     cot, count = assign({(a.microbatch, a.chunk): (t, at[schedule_lib.Action(
         schedule_lib.WEIGHT, a.microbatch, a.chunk)])
@@ -156,7 +150,8 @@ def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
       f = fields
       f["op"][t, s] = ops.index(op)
       f["chunk"][t, s], f["microbatch"][t, s] = action.chunk, action.microbatch
-      f["stash_slot"][t, s] = stash[(action.microbatch, action.chunk)]
+      f["stash_slot"][t, s] = stash[MAIN][(action.microbatch, action.chunk)]
+      f["last_slot"][t, s] = stash[LAST].get((action.microbatch, action.chunk), -1)
       f["cot_slot"][t, s] = cot.get((action.microbatch, action.chunk), -1)
       if action.kind == schedule_lib.FORWARD and not op.first:
         f["x_slot"][t, s] = inbox[(s, action)]
