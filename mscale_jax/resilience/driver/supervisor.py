@@ -18,7 +18,8 @@ self-checks (resilience/worker/selfcheck.py) on its slots; if a slot fails them,
 and the driver starts it again without that slot (a spare takes its place; without spares the
 job shrinks and the `data` mesh axis with it). A group that passes resumes from the latest
 complete checkpoint with the same global batches. A failure that repeats at the same step, or a
-bad configuration (a worker exits with status 2), ends the job. Everything lands in WORKDIR/resilience/report.json.
+bad configuration (a worker exits with status 2), ends the job. Everything lands in
+WORKDIR/resilience/report.json.
 """
 import dataclasses
 import itertools
