@@ -1,11 +1,12 @@
 r"""A fault drill: the main job on 2 processes with injected faults, against a fault-free run.
 
-  python -m experiments.fault_drill                      # gpt_tiny, 520 steps, 12 faults
+  python -m experiments.fault_drill                      # gpt_tiny, 1560 steps, 12 faults
   python -m experiments.fault_drill --fault=stop:rank=1:step=40 --fault=nan:step=60 \
       --steps=300 --reference=runs/drill-reference       # reuse a fault-free run
 
 Runs `experiments.launch` twice with the same flags (every step logged) and the launcher's
-default limits (60 s hang floor, 20 step times), each run with its own, cold, compilation cache
+default limits (hang: 60 s until the step time is known, then 20 x its 95th percentile, at least
+10 s: mscale_jax/resilience/driver/supervisor.py), each run with its own, cold, compilation cache
 (restarts inside a run reuse that run's cache, as they would on a cluster): once without faults
 (the reference) and once with them. Six faults are injected inside the workers (kill, kill
 during a save, hang, NaN, exception) or by a bad slot, six from outside by the driver acting as
@@ -13,6 +14,9 @@ the operating system would (SIGSTOP, a busy neighbour on a pinned core, bytes fl
 committed checkpoint, a read-only checkpoint directory, SIGKILL of the driver, SIGKILL of
 process 0): mscale_jax/resilience/faults.py. When the driver itself is killed, the drill runs
 the same launch command again, as an operator would, and the job resumes from its workdir.
+The default faults sit at fixed fractions of the run, so a longer run spreads the same 12
+(--steps=520 is the earlier, denser drill); per-fault costs do not shrink with the run, so the
+record states the fault density (faults per hour) next to the rate.
 
 Recorded per fault: detection (injection to detection), diagnosis (self-check), restart
 (detection to the end of the first new step, without the self-check), replay (steps lost x the
@@ -33,15 +37,17 @@ from absl import app, flags
 
 from experiments import job
 
-OLD_FAULTS = ["kill:rank=1:step=37", "bad_slot:slot=1:step=35", "kill:rank=0:step=80:at=save",
-              "hang:rank=0:step=115", "nan:step=150", "exception:rank=1:step=190"]
-OS_FAULTS = ["stop:rank=1:step=230", "contend:rank=1:step=270:seconds=30",
-             "corrupt_checkpoint:rank=0:step=320", "io_error:step=365", "kill_driver:step=410",
-             "kill_coordinator:step=455"]
-_FAULTS = flags.DEFINE_multi_string("fault", OLD_FAULTS + OS_FAULTS,
-                                    "Faults to inject (experiments.launch --fault syntax).")
+# The default drill's faults, each at a fraction of the run (--steps): six inside the workers,
+# six from outside. A save-time kill lands on a checkpoint step.
+OLD_FAULTS = [("kill:rank=1", 0.071), ("bad_slot:slot=1", 0.067), ("kill:rank=0:at=save", 0.154),
+              ("hang:rank=0", 0.221), ("nan", 0.288), ("exception:rank=1", 0.365)]
+OS_FAULTS = [("stop:rank=1", 0.442), ("contend:rank=1:seconds=30", 0.519),
+             ("corrupt_checkpoint:rank=0", 0.615), ("io_error", 0.702), ("kill_driver", 0.788),
+             ("kill_coordinator", 0.875)]
+_FAULTS = flags.DEFINE_multi_string("fault", [], "Faults to inject (experiments.launch --fault "
+                                    "syntax; default: the 12 above, spread over --steps).")
 _CONFIG = flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
-_STEPS = flags.DEFINE_integer("steps", 520, "Training steps.")
+_STEPS = flags.DEFINE_integer("steps", 1560, "Training steps.")
 _CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint cadence.")
 _SPARES = flags.DEFINE_integer("spare_slots", 1, "Spare slots (a bad slot is replaced).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/fault_drill", "Folder for both runs.")
@@ -53,6 +59,17 @@ _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default 
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 3600, "Give up on a launcher run (and kill all it "
                                 "started) after this many seconds.")
 TARGET = 0.95   # the fault run keeps this fraction of the fault-free run's rate (issue 18)
+
+
+def default_faults(steps: int, checkpoint_every: int) -> list[str]:
+  """The 12 drill faults placed at their fractions of a `steps`-step run."""
+  out = []
+  for spec, fraction in OLD_FAULTS + OS_FAULTS:
+    step = max(round(fraction * steps), 1)
+    if "at=save" in spec:
+      step = max(round(step / checkpoint_every), 1) * checkpoint_every
+    out.append(f"{spec}:step={step}")
+  return out
 
 
 def launch(workdir: str, faults: list[str]) -> list[dict]:
@@ -129,8 +146,9 @@ def plot(per_fault: list[dict], figures: dict, path: str) -> None:
     bottom = [b + v for b, v in zip(bottom, values)]
   ax.set_xticks(range(len(per_fault)), labels, rotation=35, ha="right", fontsize=8)
   ax.set_ylabel("seconds of wall time")
-  ax.set_title(f"fault drill: where each fault's time went (rate {figures['rate_vs_fault_free']:.1%}"
-               f" of the fault-free run; target {TARGET:.0%})", fontsize=9)
+  ax.set_title(f"fault drill: where each fault's time went (rate "
+               f"{figures['rate_vs_fault_free']:.1%} of the fault-free run, target {TARGET:.0%}; "
+               f"{figures['faults_per_hour']:.0f} faults per hour)", fontsize=9)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -217,19 +235,21 @@ def per_fault_rows(faults: list[str], report: dict, run: dict, run_dir: str,
   return rows
 
 
-def timeline_totals(run_dir: str) -> dict:
-  """Rank 0's measured seconds, every attempt: checkpoint stalls, evaluations, and the training
-  steps (each step once, its last run; without its evaluation and checkpoint stall)."""
+def timeline_totals(run_dir: str, first_steps=()) -> dict:
+  """Rank 0's measured seconds, every attempt: checkpoint stalls, evaluations, the training
+  steps (each step once, its last run; without its evaluation and checkpoint stall) and, of
+  those, the steps in `first_steps` (each restart's first new step)."""
   from mscale_jax.observability import timeline
   path = os.path.join(run_dir, "timeline", "rank0.jsonl")
   if not os.path.exists(path):
     return {}
   _, spans = timeline.read_rank_file(path)
   total = lambda name: sum(s["end"] - s["start"] for s in spans if s["name"] == name)  # noqa
-  steps = timeline.per_iteration(spans)
+  steps = {step: sum(v for k, v in phases.items() if k not in ("eval", "checkpoint_stall"))
+           for step, phases in timeline.per_iteration(spans).items()}
   return {"checkpoint_stall_s": total("checkpoint_stall"), "evaluation_s": total("eval"),
-          "training_s": sum(v for phases in steps.values() for k, v in phases.items()
-                            if k not in ("eval", "checkpoint_stall"))}
+          "training_s": sum(steps.values()),
+          "first_new_steps_s": sum(steps.get(s, 0.0) for s in first_steps)}
 
 
 def where_time_went(report: dict, run: dict, rows: list[dict], run_dir: str,
@@ -247,23 +267,30 @@ def where_time_went(report: dict, run: dict, rows: list[dict], run_dir: str,
            "restart_s": sum(r["restart_s"] for r in restarted),
            "replayed_steps_s": sum(r["phases"]["replay_s"] for r in restarted)}
   split["other_s"] = report["wall_s"] - sum(split.values())
-  measured = timeline_totals(run_dir)
+  measured = timeline_totals(run_dir, [r["restore_step"] + 1 for r in restarted
+                                       if r.get("restore_step") is not None])
   other = {"checkpoint_stall_s": measured.get("checkpoint_stall_s"),
            "evaluation_s": measured.get("evaluation_s"),
-           "slowdown_s": sum(r["phases"].get("slowdown_s") or 0.0 for r in rows),
            "steps_slower_than_steady_s": measured["training_s"] - split["training_s"]
            if "training_s" in measured else None}
-  other["unaccounted_s"] = split["other_s"] - sum(v or 0.0 for v in other.values())
+  # Counted twice above, so added back once: each restart's first new step (inside restart_s
+  # and in the training time) and contend's slowdown (inside steps_slower_than_steady_s).
+  twice = measured.get("first_new_steps_s") or 0.0
+  other["unaccounted_s"] = split["other_s"] - sum(v or 0.0 for v in other.values()) + twice
+  other["of_which"] = {"first_new_steps_in_restart_s": twice,
+                       "slowdown_in_steps_slower_s": sum(r["phases"].get("slowdown_s") or 0.0
+                                                         for r in rows)}
   split["other_split"] = other
   split["sources"] = (
       "training_s: steps x the fault-free iteration time; startup_s: launch to the first step; "
       "detection/restart: the driver's report and each step's log time (restart: detection to "
       "the end of the first new step, self-check included); replayed_steps_s: steps lost x the "
       "iteration time. other_split, each measured on its own: checkpoint stalls and evaluations"
-      " (rank 0's timeline, every attempt), slowdown while contend ran (each step's time over "
-      "the steady one), steps slower than steady (rank 0's timeline, each step once, less "
-      "training_s, the slowdown counted in it too); unaccounted_s: what none of these covers "
-      "(driver shutdown, the relaunch after kill_driver, heartbeat-late detection)")
+      " (rank 0's timeline, every attempt), steps slower than steady (rank 0's timeline, each "
+      "step once, less training_s; contend's slowdown is inside it: of_which); unaccounted_s: "
+      "what none of these covers (driver shutdown, the relaunch after kill_driver, "
+      "heartbeat-late detection), with each restart's first new step, which restart_s and the "
+      "training time both hold, counted once (of_which)")
   return split
 
 
@@ -271,7 +298,8 @@ def main(argv):
   del argv
   from experiments import results
   from mscale_jax.resilience.faults import parse_faults
-  faults = [f.spec for f in parse_faults(_FAULTS.value)]
+  faults = [f.spec for f in parse_faults(
+      _FAULTS.value or default_faults(_STEPS.value, _CHECKPOINT_EVERY.value))]
   stamp = time.strftime("%Y%m%d-%H%M%S")
   load_before = os.getloadavg()
   ref_dir = _REFERENCE.value or os.path.join(_WORKDIR.value, f"reference-{stamp}")
@@ -298,6 +326,8 @@ def main(argv):
   figures = {
       "faults": rows,
       "faults_injected": len(faults),
+      # Fault density: the drill's fixed per-fault costs weigh more the denser the faults.
+      "faults_per_hour": len(faults) / (report["wall_s"] / 3600),
       "faults_detected": sum(bool(r["detected"]) for r in rows),
       "failures_detected": len(report["failures"]),
       "excluded_slots": report["excluded_slots"],
@@ -322,8 +352,9 @@ def main(argv):
                                          {s: r["loss"] for s, r in run.items()}),
       "checkpoint_saves": summary["checkpoint_saves"],
       "restore_s": summary["restore_s"],
-      "limits": "the launcher's defaults (hang floor 60 s, 20 step times; startup 600 s; io "
-                "120 s); each run's own cold compilation cache",
+      "limits": "the launcher's defaults (hang: 60 s until 20 step times are known, then 20 x "
+                "their 95th percentile, at least 10 s; startup 600 s; io 120 s); each run's own "
+                "cold compilation cache",
       "machine_note": "a shared machine (2 cores, several engineers' jobs): timings are noisy; "
                       f"1-min load average {load[0]:.1f} before the runs, {load[1]:.1f} after "
                       "the fault run. Steps of the fault run ran faster than the reference's "

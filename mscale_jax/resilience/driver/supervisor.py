@@ -7,10 +7,14 @@ heartbeats over HTTP/JSON, and declares a failure when a worker
   exits non-zero or is killed            (its exit status; kill -9 included)
   reports an exception or a NaN stop     (its last heartbeat, sent just before it dies)
   logs a known fatal line                (events.FATAL_LOG_PATTERNS, in its log file)
-  stops advancing                        (hang: no new step within max(hang_timeout_s,
-                                          hang_step_factor x the measured step time), or no
+  stops advancing                        (hang: no new step within the hang limit, or no
                                           heartbeat at all; compiling gets startup_timeout_s,
                                           a checkpoint save or evaluation io_timeout_s)
+
+The hang limit adapts to the job (as a watchdog must: a fixed one is either too long for fast
+steps or too short for slow ones): hang_timeout_s until the job has reported HANG_WARMUP step
+times (its first steps: compilation, first saves), then hang_step_factor x the 95th percentile
+of its recent step times, at least hang_floor_s (and never above hang_timeout_s's floor).
 
 It files the failure on the rank at fault (blame.py), kills the whole group and restarts it,
 from warm standby processes when it has them (standby.py). The restarted group first runs the
@@ -56,7 +60,8 @@ class DriverOptions:
   heartbeat_port: int = 0             # the driver's HTTP endpoint; 0: any free port
   heartbeat_token: str = ""           # the job's secret for that endpoint; "": a new one
   heartbeat_s: float = 2.0
-  hang_timeout_s: float = 60.0
+  hang_timeout_s: float = 60.0       # the hang floor until the job's step time is known
+  hang_floor_s: float = 10.0         # ... and once it is (see the module docstring)
   hang_step_factor: float = 20.0
   startup_timeout_s: float = 600.0
   io_timeout_s: float = 120.0         # allowed for one checkpoint save or evaluation
@@ -80,6 +85,11 @@ class DriverOptions:
   # trains on the job's first `minder_fit_s` seconds), observer.DETECTORS.
   straggler_detector: str = "threshold"
   minder_fit_s: int = 120
+
+
+# The adaptive hang limit: step times (one per heartbeat) before it applies, and how many recent
+# ones it reads.
+HANG_WARMUP, HANG_WINDOW = 20, 100
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -366,10 +376,18 @@ class Driver:
             beat.phase == events.TRAINING:
           group.first_step_at = received
 
+  def hang_limit(self, group: _Group) -> float:
+    """Seconds without a new step that make a hang (module docstring): step times from the
+    heartbeats of this group and the earlier ones (the same job, the same steps)."""
+    o, times = self.o, (self._step_times + group.step_times)[-HANG_WINDOW:]
+    if len(times) < HANG_WARMUP:
+      return max(o.hang_timeout_s, o.hang_step_factor * (statistics.median(times) if times else 0))
+    p95 = statistics.quantiles(times, n=20)[-1]
+    return max(min(o.hang_floor_s, o.hang_timeout_s), o.hang_step_factor * p95)
+
   def _check_progress(self, group: _Group, beats, now: float) -> events.Failure | None:
     o = self.o
-    step_time = statistics.median(group.step_times[-20:]) if group.step_times else 0.0
-    limit = max(o.hang_timeout_s, o.hang_step_factor * step_time)
+    limit = self.hang_limit(group)
     # Ranks step together (every step has collectives), so a hang is the group's: no rank has
     # advanced within the allowance of the slowest phase any rank is in (ranks wait for a peer
     # that compiles or saves). The rank that advanced least recently is named.
