@@ -44,18 +44,22 @@ from ml_collections import config_flags
 
 from mscale_jax.errors import ConfigError
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "experiments/configs/convergence.py", "ml_collections config file; override any "
-    "field with --config.<field>=value (the baseline run is --config.run.*).", lock_config=True)
-_QUICK = flags.DEFINE_bool("quick", False, "Smoke version: the config's `quick` sizes replace "
-                           "the full ones (a few minutes).")
-_FIGURES = flags.DEFINE_list("figures", ["fig10a", "fig10b"], "Which comparisons to run.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs (default "
-                               "runs/convergence-<UTC time>); must be new or empty.")
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record, plots and table "
-                               "(default results/convergence; with --quick, WORKDIR/results).")
-_REPLOT = flags.DEFINE_string("replot", None, "Train nothing: redraw the plots and table of "
-                              "this record (a convergence JSON), beside it.")
+
+def define_flags() -> None:
+  """Defines the CLI flags (only when run as a script, so importing defines none)."""
+  global _CONFIG, _QUICK, _FIGURES, _WORKDIR, _OUT_DIR, _REPLOT
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", "experiments/configs/convergence.py", "ml_collections config file; override any "
+      "field with --config.<field>=value (the baseline run is --config.run.*).", lock_config=True)
+  _QUICK = flags.DEFINE_bool("quick", False, "Smoke version: the config's `quick` sizes replace "
+                             "the full ones (a few minutes).")
+  _FIGURES = flags.DEFINE_list("figures", ["fig10a", "fig10b"], "Which comparisons to run.")
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for the runs (default "
+                                 "runs/convergence-<UTC time>); must be new or empty.")
+  _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record, plots and table "
+                                 "(default results/convergence; with --quick, WORKDIR/results).")
+  _REPLOT = flags.DEFINE_string("replot", None, "Train nothing: redraw the plots and table of "
+                                "this record (a convergence JSON), beside it.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,4 +435,5 @@ def replot(record_path: str) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

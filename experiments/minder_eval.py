@@ -31,13 +31,17 @@ from mscale_jax.observability.minder import priority as priority_lib
 from mscale_jax.observability.minder.detector import Minder, MinderConfig
 from mscale_jax.observability.minder.vae import VAEConfig
 
-_SIZES = flags.DEFINE_list("sizes", ["16", "64", "256", "1024"], "Test fleet sizes (machines).")
-_HOURS = flags.DEFINE_list("hours", ["12", "6", "2", "1"], "Simulated hours per test size.")
-_QUICK = flags.DEFINE_bool("quick", False, "Tiny splits and a short VAE fit (smoke test).")
-_SEED = flags.DEFINE_integer("seed", 0, "Base seed; each split adds its own offset.")
-_COMPUTE_CV = flags.DEFINE_float("compute_cv", fleet.CALIBRATION.compute_cv,
-                                  "Per-sample noise of compute time in the fleet traces.")
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record and plot (results/).")
+
+def define_flags() -> None:
+  """Defines the CLI flags (only when run as a script, so importing defines none)."""
+  global _SIZES, _HOURS, _QUICK, _SEED, _COMPUTE_CV, _OUT_DIR
+  _SIZES = flags.DEFINE_list("sizes", ["16", "64", "256", "1024"], "Test fleet sizes (machines).")
+  _HOURS = flags.DEFINE_list("hours", ["12", "6", "2", "1"], "Simulated hours per test size.")
+  _QUICK = flags.DEFINE_bool("quick", False, "Tiny splits and a short VAE fit (smoke test).")
+  _SEED = flags.DEFINE_integer("seed", 0, "Base seed; each split adds its own offset.")
+  _COMPUTE_CV = flags.DEFINE_float("compute_cv", fleet.CALIBRATION.compute_cv,
+                                    "Per-sample noise of compute time in the fleet traces.")
+  _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record and plot (results/).")
 
 def main(argv):
   del argv
@@ -140,4 +144,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -24,21 +24,25 @@ from experiments import results
 from mscale_jax.errors import ConfigError
 from mscale_jax.parallel import schedule as schedule_lib
 
-_SCHEDULE = flags.DEFINE_enum("schedule", "interleaved_1f1b", schedule_lib.SCHEDULES,
-                              "Which schedule to draw.")
-_STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p.")
-_VIRTUAL = flags.DEFINE_integer("virtual", 2, "Model chunks per stage v (1 for 1f1b, zb_h1).")
-_MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Microbatches m.")
-_LATENCY = flags.DEFINE_integer("latency", 0, "Ticks between a send and its use (0 or 1).")
-_RECOMPUTE = flags.DEFINE_enum("recompute", None, schedule_lib.RECOMPUTES,
-                               "Draw in time with these pass costs (default: ticks).")
-_HOP = flags.DEFINE_float("hop", 0.1, "A message's time in a stage's forward-times, for the "
-                          "tables in time (a send far shorter than compute, as on GPUs).")
-_ALL = flags.DEFINE_bool("all", False, "Every schedule at p=4, m=8 (v=2 interleaved), latency 0 "
-                         "and 1, and the ZB-H1 comparison, in one record.")
-_OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(results.REPO_ROOT, "results",
-                                                       "pipeline_schedule"),
-                               "Folder for the PNGs and the JSON record.")
+
+def define_flags() -> None:
+  """Defines the CLI flags (only when run as a script, so importing defines none)."""
+  global _SCHEDULE, _STAGES, _VIRTUAL, _MICROBATCHES, _LATENCY, _RECOMPUTE, _HOP, _ALL, _OUT_DIR
+  _SCHEDULE = flags.DEFINE_enum("schedule", "interleaved_1f1b", schedule_lib.SCHEDULES,
+                                "Which schedule to draw.")
+  _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages p.")
+  _VIRTUAL = flags.DEFINE_integer("virtual", 2, "Model chunks per stage v (1 for 1f1b, zb_h1).")
+  _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Microbatches m.")
+  _LATENCY = flags.DEFINE_integer("latency", 0, "Ticks between a send and its use (0 or 1).")
+  _RECOMPUTE = flags.DEFINE_enum("recompute", None, schedule_lib.RECOMPUTES,
+                                 "Draw in time with these pass costs (default: ticks).")
+  _HOP = flags.DEFINE_float("hop", 0.1, "A message's time in a stage's forward-times, for the "
+                            "tables in time (a send far shorter than compute, as on GPUs).")
+  _ALL = flags.DEFINE_bool("all", False, "Every schedule at p=4, m=8 (v=2 interleaved), latency 0 "
+                           "and 1, and the ZB-H1 comparison, in one record.")
+  _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(results.REPO_ROOT, "results",
+                                                         "pipeline_schedule"),
+                                 "Folder for the PNGs and the JSON record.")
 
 _SHADES = {"F": ("#9ecae1", "#4292c6", "#2171b5", "#08519c", "#08306b"),
            "B": ("#fdd0a2", "#fd8d3c", "#e6550d", "#a63603", "#7f2704"),
@@ -209,4 +213,5 @@ def run() -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

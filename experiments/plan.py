@@ -9,14 +9,12 @@ with their breakdowns, then the paper's layout (Table 1) and why the best one be
 breakdown terms that differ most). Predictions come from mscale_jax.perf with one set of
 constants (or a calibrated copy, --calibrate).
 """
-import dataclasses
 import sys
 
 from absl import app, flags
 
 from mscale_jax.errors import ConfigError
-from mscale_jax.perf import calibrate, constants, hardware, paper, search
-from mscale_jax.perf.compressed import DPCompression
+from mscale_jax.perf import calibrate, constants, dp_comm as dp_comms, hardware, paper, search
 from mscale_jax.perf.iteration import BREAKDOWN_KEYS
 from mscale_jax.perf.workload import MODELS
 
@@ -61,18 +59,15 @@ def plan(model_name: str, gpus: int, hw_name: str, batch: int, scale: int, top: 
   """Prints and returns the top configurations for one GPU count.
 
   dp_comm='sdp4bit' searches with SDP4Bit's two-level quantized DP collectives
-  (`perf/compressed.py`); node_gbps > 0 sets the inter-node bandwidth per node (Gb/s).
+  (`perf/compressed.py`) instead of NCCL's rings ('none', `perf/comm.ring_link`); node_gbps > 0
+  sets the inter-node bandwidth per node (Gb/s).
   """
   if model_name not in MODELS:
     raise ConfigError("model", model_name, f"one of {sorted(MODELS)}")
-  if dp_comm not in ("none", "sdp4bit"):
-    raise ConfigError("dp_comm", dp_comm, "'none' or 'sdp4bit'")
-  model, hw = MODELS[model_name], hardware.get_hardware(hw_name)
-  if node_gbps:
-    hw = dataclasses.replace(hw, nic_bw=node_gbps * 1e9 / 8 / hw.nics_per_node)
+  techniques = dp_comms.techniques(paper.MEGASCALE, dp_comm)
+  model = MODELS[model_name]
+  hw = dp_comms.at_node_gbps(hardware.get_hardware(hw_name), node_gbps)
   batch = batch or (768 if gpus <= 1024 else 6144)
-  techniques = paper.MEGASCALE if dp_comm == "none" else dataclasses.replace(
-      paper.MEGASCALE, dp_compression=DPCompression())
   best = search.search(model, gpus, hw, batch, techniques, c, max_batch_scale=scale, top=top)
   print(f"\n== {model.name} on {gpus} x {hw.name}, global batch {batch}, dp_comm={dp_comm}"
         f"{f', {node_gbps:g} Gb/s per node' if node_gbps else ''} ==")

@@ -5,6 +5,7 @@ r"""Reproduces the paper's MFU tables from the performance model, with calibrate
   python -m experiments.scaling_curves --protocol=c         # one validation protocol, its record
   python -m experiments.scaling_curves --out_dir=/tmp/sc \
       --calibrate=results/kernel_bench-gemm-gpu-<stamp>.json
+  python -m experiments.scaling_curves --dp_comm=sdp4bit --node_gbps=100,400,1600
 
 Rows: Table 3 (ablation, 175B, 256 GPUs), Table 2 (175B, batch 768 on 256-1,024 GPUs and batch
 6,144 on 3,072-12,288) for Megatron-LM and MegaScale, and the 530B weak-scaling runs (Figure 9,
@@ -17,7 +18,10 @@ separate column (`sensitivity.constant_range_band`). Writes scaling_curves.csv,
 scaling_curves.md, validation.md (with --validate), two PNG plots and JSON records. MFU is the
 paper's: Megatron FLOPs per token over 312 TFLOP/s per GPU (mscale_jax.flops); the paper
 figure a prediction is compared with is the MFU of the paper's throughput where it gives one
-(`paper.target_mfu`).
+(`paper.target_mfu`). With --dp_comm=sdp4bit every row is also predicted with SDP4Bit's
+quantized data-parallel collectives at each --node_gbps (`perf/dp_comm.py`): a section of
+scaling_curves.md, sdp4bit_mfu_vs_gpus.png and the record scaling_curves-sdp4bit-*.json; the
+rows, intervals and other outputs stay those of `none`.
 """
 import csv
 import dataclasses
@@ -30,8 +34,9 @@ from absl import app, flags
 
 from experiments import scaling_report as report
 from mscale_jax.errors import ConfigError
-from mscale_jax.perf import calibrate, constants, fit, hardware, layer, paper, sensitivity
+from mscale_jax.perf import calibrate, constants, dp_comm, fit, hardware, layer, paper, sensitivity
 from mscale_jax.perf import intervals as perf_intervals
+from mscale_jax.perf.compressed import DPCompression
 
 CSV_COLUMNS = ("table", "model", "system", "gpus", "global_batch", "predicted_mfu", "paper_mfu",
                "predicted_low", "predicted_high", "fitted", "paper_throughput_mfu",
@@ -167,6 +172,23 @@ def weak_scaling(results: list, hw, c) -> list:
   return sorted(out, key=lambda d: (d["system"], d["model"], d["gpus"]))
 
 
+def dp_comm_rows(results: list, hw, c, node_gbps=()) -> list:
+  """Every row's layout at each of `node_gbps` (Gb/s per node; none given: `hw`'s own) with
+  `none`'s collectives and SDP4Bit's, at the row's micro-batch and recomputation."""
+  out = []
+  for gbps in node_gbps or (dp_comm.node_gbps(hw),):
+    for row, pred in results:
+      cmp = dp_comm.compare(row.model, pred.layout, row.techniques, dp_comm.at_node_gbps(hw, gbps),
+                            c, pred.recompute)
+      out.append({"table": row.table, "model": row.model.name, "system": row.system,
+                  "gpus": row.gpus, "global_batch": row.global_batch, "node_gbps": gbps,
+                  "micro_batch": pred.layout.micro_batch, "none_mfu": 100 * cmp.none.mfu,
+                  "sdp4bit_mfu": 100 * cmp.sdp4bit.mfu, "none_iteration_s": cmp.none.iteration_s,
+                  "sdp4bit_iteration_s": cmp.sdp4bit.iteration_s, "speedup": cmp.speedup,
+                  "none_dp_share": cmp.dp_share})
+  return out
+
+
 def first_contact(out_dir: str) -> dict | None:
   """The newest first-contact record in `out_dir` (protocol (c) before any model change)."""
   paths = sorted(glob.glob(os.path.join(out_dir, "scaling_curves-first_contact-*.json")))
@@ -218,16 +240,21 @@ def markdown(results, notes, bands, summary, effects, weak, c, hw) -> str:
 
 def run(out_dir: str, calibration: str | None = None, hw_name: str = "a100_megascale",
         allow_other_device: bool = False, intervals: bool = True,
-        points: int = fit.GRID_POINTS, samples: int = 48, validations: list | None = None) -> dict:
+        points: int = fit.GRID_POINTS, samples: int = 48, validations: list | None = None,
+        dp_comm_name: str = "none", node_gbps=()) -> dict:
   """Predicts every row, writes the outputs to `out_dir`; returns {'paths', 'results', ...}.
 
   A calibration record must come from the accelerator `hw_name` models unless
   `allow_other_device`. The intervals need the validation protocols (`fit.validate`, fitted on
   a `points` grid; a minute or two) unless `validations` are given; `intervals=False` leaves
-  the interval columns empty (seconds).
+  the interval columns empty (seconds). dp_comm_name='sdp4bit' also predicts every row with
+  SDP4Bit's collectives at each of `node_gbps` (`dp_comm_rows`; Gb/s per node).
   """
   from experiments.results import write_record
   hw = hardware.get_hardware(hw_name)
+  dp_comm.techniques(paper.MEGASCALE, dp_comm_name)       # bad values fail before any work
+  for gbps in node_gbps:
+    dp_comm.at_node_gbps(hw, gbps)
   c = constants.DEFAULT
   notes = ["No GPU benchmark record was used: efficiency constants are the documented defaults "
            f"(the {len(constants.FITTED)} fitted ones as `fit.fit` returns them on every row "
@@ -265,6 +292,11 @@ def run(out_dir: str, calibration: str | None = None, hw_name: str = "a100_megas
   if moves:
     md += "\n## How calibration moved each prediction (MFU %)\n\n" + "\n".join(
         f"- {m}" for m in moves) + "\n"
+  sdp4bit = dp_comm_rows(results, hw, c, node_gbps) if dp_comm_name == "sdp4bit" else None
+  if sdp4bit:
+    md += "\n" + "\n".join(report.dp_comm_table(sdp4bit)) + "\n"
+    paths["sdp4bit_mfu_vs_gpus.png"] = os.path.join(out_dir, "sdp4bit_mfu_vs_gpus.png")
+    report.plot_dp_comm(paths["sdp4bit_mfu_vs_gpus.png"], sdp4bit)
   with open(paths["scaling_curves.md"], "w") as f:
     f.write(md)
   report.plot_scaling(paths["mfu_vs_gpus.png"], results, bands)
@@ -284,8 +316,14 @@ def run(out_dir: str, calibration: str | None = None, hw_name: str = "a100_megas
   paths["record"] = write_record("scaling_curves", figures, out_dir=out_dir,
                                  device={"platform": "model", "device_kind": hw.name},
                                  extra=extra)
+  if sdp4bit:
+    paths["sdp4bit_record"] = write_record(
+        "scaling_curves-sdp4bit", sdp4bit, out_dir=out_dir,
+        device={"platform": "model", "device_kind": hw.name},
+        extra={"notes": notes, "dp_comm": "sdp4bit", "preset_node_gbps": dp_comm.node_gbps(hw),
+               "compression": dataclasses.asdict(DPCompression())})
   return {"paths": paths, "results": results, "notes": notes, "moves": moves, "bands": bands,
-          "summary": summary, "validations": validations}
+          "summary": summary, "validations": validations, "sdp4bit": sdp4bit}
 
 
 def validation_markdown(validations, validations_off, model, cov, c, hw, first) -> list:
@@ -426,8 +464,23 @@ def define_flags() -> None:
   flags.DEFINE_integer("samples", 48, "Joint draws of the constants for the constants' band.")
   flags.DEFINE_bool("validate", False, "Also write validation.md and its record: every "
                     "protocol's fit and held-out errors, and the same with scale effects off.")
+  flags.DEFINE_enum("dp_comm", "none", ["none", "sdp4bit"], "sdp4bit: also predict every row "
+                    "with SDP4Bit's quantized DP collectives (perf/dp_comm.py).")
+  flags.DEFINE_list("node_gbps", [], "With --dp_comm=sdp4bit: inter-node Gb/s per node to "
+                    "predict at (default: the --hardware preset's).")
   flags.DEFINE_enum("protocol", None, ["a", "b", "c", "d", "e"], "Run only this validation "
                     "protocol (docs/perf_model.md) and write its record; no other output.")
+
+
+def gbps_list(values: list) -> tuple:
+  """--node_gbps as floats; a ConfigError names a value that is not a positive number."""
+  try:
+    out = tuple(float(v) for v in values)
+  except ValueError as e:
+    raise ConfigError("node_gbps", values, "comma-separated positive numbers (Gb/s)") from e
+  if any(v <= 0 for v in out):
+    raise ConfigError("node_gbps", values, "comma-separated positive numbers (Gb/s)")
+  return out
 
 
 def main(argv):
@@ -444,7 +497,7 @@ def main(argv):
       print(f"[scaling_curves] wrote {checked['paths']['record']}")
       return
     out = run(f.out_dir, f.calibrate, f.hardware, f.calibrate_any_device, f.intervals,
-              samples=f.samples)
+              samples=f.samples, dp_comm_name=f.dp_comm, node_gbps=gbps_list(f.node_gbps))
     checked = (run_validation(f.out_dir, f.hardware, validations=out["validations"])
                if f.validate else None)
   except ConfigError as e:
@@ -470,6 +523,10 @@ def main(argv):
           f"{out['summary']['fitted_inside']}")
   if checked:
     print("\n".join(checked["lines"][:20]))
+  for e in out["sdp4bit"] or []:
+    print(f"[scaling_curves] sdp4bit {e['model']} {e['system']:14s} {e['gpus']:6d} GPUs at "
+          f"{e['node_gbps']:g} Gb/s/node: MFU {e['none_mfu']:.1f} -> {e['sdp4bit_mfu']:.1f} "
+          f"({e['speedup']:.2f}x)")
   for path in list(out["paths"].values()) + (list(checked["paths"].values()) if checked else []):
     print(f"[scaling_curves] wrote {path}")
 

@@ -212,3 +212,48 @@ def plot_waterfall(path: str, results: list) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def dp_comm_table(entries: list) -> list:
+  """scaling_curves.md's section for --dp_comm=sdp4bit: every row with `none` and SDP4Bit."""
+  lines = ["## SDP4Bit's quantized DP collectives on the same rows (`--dp_comm=sdp4bit`)", "",
+           "Each row's layout, micro-batch and recomputation, at each inter-node bandwidth per "
+           "node; `none` is the row's own DP collectives, `sdp4bit` SDP4Bit's two-level ones "
+           "(`mscale_jax/perf/dp_comm.py`). MFU in percent.", "",
+           "| table | model | system | GPUs | batch | Gb/s per node | DP share (none) | "
+           "MFU none | MFU sdp4bit | speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for e in entries:
+    lines.append(f"| {e['table']} | {e['model']} | {e['system']} | {e['gpus']} | "
+                 f"{e['global_batch']} | {e['node_gbps']:g} | {100 * e['none_dp_share']:.1f}% | "
+                 f"{e['none_mfu']:.1f} | {e['sdp4bit_mfu']:.1f} | {e['speedup']:.2f}x |")
+  return lines
+
+
+def plot_dp_comm(path: str, entries: list) -> None:
+  """MFU against GPUs of Table 2's and Figure 9's rows, `none` (solid) and SDP4Bit (dashed),
+  one panel per inter-node bandwidth."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  speeds = sorted({e["node_gbps"] for e in entries})
+  fig, axes = plt.subplots(1, len(speeds), figsize=(5 * len(speeds), 4.6), squeeze=False)
+  for ax, gbps in zip(axes[0], speeds):
+    curves = sorted({(e["model"], e["system"], e["global_batch"] if e["model"] == "175B" else 0)
+                     for e in entries if e["table"] != "table3"})
+    for i, (model, system, batch) in enumerate(curves):
+      pts = sorted((e["gpus"], e["none_mfu"], e["sdp4bit_mfu"]) for e in entries
+                   if e["node_gbps"] == gbps and e["table"] != "table3" and e["model"] == model
+                   and e["system"] == system and (batch == 0 or e["global_batch"] == batch))
+      label = f"{model} {system}" + (f" b{batch}" if batch else "")
+      color = f"C{i}"
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=color, ms=3, label=label)
+      ax.plot([p[0] for p in pts], [p[2] for p in pts], "--^", color=color, ms=3)
+    ax.set_xscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("MFU (%), Megatron formula")
+    ax.set_title(f"{gbps:g} Gb/s per node: none (solid) vs SDP4Bit (dashed)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -138,19 +138,25 @@ class PipelineConfig:
 class SDP4BitConfig:
   """SDP4Bit's quantized data-parallel collectives (read by `mscale_jax/sdp4bit/`).
 
-  Defaults are the paper's: weight differences at 4 bits in groups of 2048; gradients at
-  8 bits inside a node ('fsdp') and 4 bits between nodes ('data'), in groups of 128, with a
-  Hadamard transform before the 4-bit level. `weights` picks what the parameter all-gather
-  quantizes: 'differences' (qWD), 'weights' (the ablation: the weights themselves) or 'none'
-  (exact); `gradients=False` reduces gradients exactly. Bits 16 send bfloat16, 32 float32.
+  The one set of SDP4Bit defaults (`perf.compressed.DPCompression` and
+  `sdp4bit.quant.Quantizer` take theirs from here): the paper's, as its official repository
+  (jindajia/SDP4Bit, ReadME.md: the defaults of the Megatron-LM flags) and the authors' later
+  performance-test config (jindajia/Megatron-LM, sample_scripts/icml-performance-bytedance/
+  training-config/SDP4Bit.sh) give them; each field names its flag. `weights` picks what the parameter all-gather quantizes:
+  'differences' (qWD), 'weights' (the ablation: the weights themselves) or 'none' (exact);
+  `gradients=False` reduces gradients exactly. Bits 16 send bfloat16, 32 float32.
   """
   weights: str = "differences"
-  weight_bits: int = 4
-  weight_group: int = 2048
+  weight_bits: int = 4               # --weight-quantization-bits (default 4)
+  weight_group: int = 2048           # --wq-group-size (default 2048)
   gradients: bool = True
-  grad_bits_intra: int = 8
-  grad_bits_inter: int = 4
+  grad_bits_intra: int = 8           # --gradient-quantization-bits-intra (default 8)
+  grad_bits_inter: int = 4           # --gradient-quantization-bits-inter (default 4)
+  # One group for both levels: --gq-group-size-inter (default 128); the README's example and
+  # SDP4Bit.sh set --gq-group-size-intra 128 as well (the flag's own default is 512).
   grad_group: int = 128
+  # --hadamard-transform: the 'HS' of the paper's TLq-HS, part of SDP4Bit as the paper defines
+  # it (the flag is off by default, and SDP4Bit.sh leaves it off).
   hadamard: bool = True
   kernel: str = "xla"                # quantize/dequantize (+Hadamard) in XLA or fused Pallas
 

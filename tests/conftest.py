@@ -42,25 +42,6 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))   # stable: files stay whole
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _experiment_flags_per_file():
-  """Experiment scripts define their absl flags when imported, and two scripts may share a
-  flag's name (`out_dir`, `quick`). A test file that imports one inside a test leaves with its
-  flags and modules unregistered again, so a later file in the same worker can import another."""
-  import sys
-  from absl import flags
-  modules = set(sys.modules)
-  yield
-  new = {m for m in set(sys.modules) - modules if m.startswith("experiments.")}
-  for module, defined in flags.FLAGS.flags_by_module_dict().items():
-    if module in new:                   # only the scripts' own flags, never a library's
-      for flag in defined:
-        if flag.name in flags.FLAGS:
-          delattr(flags.FLAGS, flag.name)
-  for module in new:
-    del sys.modules[module]
-
-
 @pytest.fixture
 def tiny_config():
   """A factory for small, fast run configs: `tiny_config(model={...}, mesh={...}, ...)`."""

@@ -154,3 +154,42 @@ def test_no_file_of_the_library_is_over_500_lines(package):
           if p.startswith(os.path.join(REPO, package))
           and (n := sum(1 for _ in open(p))) > 520}
   assert not long, f"files over ~500 lines: {long}"
+
+
+def defines_flags_on_import(source: str) -> bool:
+  """Whether a module-level statement (not a function, a class or the `__main__` block) calls
+  an absl `DEFINE_*` (flags' or config_flags')."""
+  for statement in ast.parse(source).body:
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or (
+        isinstance(statement, ast.If) and "__main__" in ast.unparse(statement.test)):
+      continue
+    for node in ast.walk(statement):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr.startswith("DEFINE")):
+        return True
+  return False
+
+
+def test_experiments_the_tests_import_define_flags_only_as_scripts():
+  """absl flags are process-global: two experiment scripts that define one name (`out_dir`,
+  `quick`) and are imported in one pytest worker would clash. So every experiment module a test
+  imports (directly or through another experiment) defines its flags in `define_flags()`,
+  called only under `__main__`."""
+  assert defines_flags_on_import("from absl import flags\nX = flags.DEFINE_bool('x', 0, '')")
+  assert not defines_flags_on_import("def define_flags():\n  flags.DEFINE_bool('x', 0, '')\n"
+                                     "if __name__ == '__main__':\n  define_flags()")
+  known = modules()
+  tests = os.path.join(REPO, "tests")
+  todo = set()
+  for name in os.listdir(tests):
+    if name.endswith(".py"):
+      todo |= imports_of(f"tests.{name[:-3]}", os.path.join(tests, name), known)
+  seen = set()
+  while todo:
+    module = todo.pop()
+    if module.startswith("experiments.") and module not in seen:
+      seen.add(module)
+      todo |= imports_of(module, known[module], known)
+  assert {"experiments.convergence", "experiments.pipeline_schedule"} <= seen
+  offenders = sorted(m for m in seen if defines_flags_on_import(open(known[m]).read()))
+  assert not offenders, f"define their flags when imported: {offenders}"

@@ -55,3 +55,29 @@ def test_planner_with_sdp4bit_on_a_slow_network_predicts_higher_mfu(capsys):
   assert quick.techniques.dp_compression is not None and none.techniques.dp_compression is None
   assert quick.mfu > none.mfu
   assert "dp_comm=sdp4bit, 100 Gb/s per node" in capsys.readouterr().out
+
+
+def test_one_set_of_defaults_and_they_are_the_official_ones():
+  """config.SDP4BitConfig is the one place: the performance model and the quantizer take their
+  defaults from it, and it holds the official repository's flag defaults (jindajia/SDP4Bit
+  ReadME.md: --weight-quantization-bits 4, --wq-group-size 2048, --gradient-quantization-bits-
+  intra 8 / -inter 4, --gq-group-size-inter 128; --hadamard-transform for TLq-HS)."""
+  from mscale_jax.config import SDP4BitConfig
+  from mscale_jax.sdp4bit.quant import Quantizer
+  cfg, comp = SDP4BitConfig(), DPCompression()
+  assert (cfg.weight_bits, cfg.weight_group, cfg.grad_bits_intra, cfg.grad_bits_inter,
+          cfg.grad_group, cfg.hadamard) == (4, 2048, 8, 4, 128, True)
+  for field in dataclasses.fields(DPCompression):
+    assert getattr(comp, field.name) == getattr(cfg, field.name), field.name
+  assert (Quantizer().bits, Quantizer().group) == (cfg.grad_bits_inter, cfg.grad_group)
+  assert DPCompression.from_config(cfg) == comp
+
+
+def test_from_config_sends_exact_what_the_config_leaves_exact():
+  from mscale_jax.config import SDP4BitConfig
+  cfg = SDP4BitConfig(weights="none", gradients=False, weight_bits=6, grad_group=64)
+  assert DPCompression.from_config(cfg) == dataclasses.replace(
+      DPCompression.uncompressed(), grad_group=64)
+  qwd_only = DPCompression.from_config(SDP4BitConfig(gradients=False, weight_bits=6))
+  assert qwd_only.weight_bits == 6 and qwd_only.grad_bits_inter == 32 and not qwd_only.hadamard
+  assert DPCompression.from_config(SDP4BitConfig(weights="weights")).weight_bits == 4

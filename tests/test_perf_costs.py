@@ -57,6 +57,40 @@ def test_group_link_picks_tier():
   assert comm.group_link(A100, 1000, 8, C).tier == "spine"
 
 
+def test_ring_with_several_ranks_per_node_is_bound_by_its_busiest_link():
+  """NCCL's ring enters and leaves each node once per channel: per step a node's NICs carry one
+  chunk, a device's NVLink (g-1)/g of one. By hand, with C's full efficiencies on A100 nodes
+  (NVLink 300 GB/s, 8 x 25 GB/s NICs) and the ToR's 15 us per step."""
+  # TP=2, DP=16: g = 4 ranks per node in 4 nodes. NICs: 4 x 25 = 100 GB/s; NVLink would allow
+  # 300 x 4/3 = 400. NIC-bound: 15 steps of 15 us + 15/16 of 1.6 GB at 100 GB/s.
+  link = comm.ring_link(A100, 16, 2, C)
+  assert (link.tier, link.bw) == ("tor", pytest.approx(100e9))
+  assert comm.reduce_scatter_time(1.6e9, 16, link) == pytest.approx(15 * 15e-6 + 0.015)
+  # NVLink cut to 100 GB/s, TP=1, DP=32: g = 8 in 4 nodes. NICs: 8 x 25 = 200 GB/s; NVLink:
+  # each step a device sends 7/8 of a 3.2 GB / 32 chunk at 100 GB/s. NVLink-bound:
+  # 31 steps of 15 us + 31 x (7/8 x 0.1 GB) / 100 GB/s = 465 us + 27.125 ms.
+  slow_nvlink = dataclasses.replace(A100, intra_node_bw=100e9)
+  link = comm.ring_link(slow_nvlink, 32, 1, C)
+  assert link.bw == pytest.approx(100e9 * 8 / 7)
+  assert comm.all_gather_time(3.2e9, 32, link) == pytest.approx(465e-6 + 27.125e-3)
+  # A flat ring charging every hop to one NIC share (25 GB/s) would take 31/32 x 3.2 GB / 25 GB/s
+  # = 124 ms: 4.5x the ring NCCL runs.
+  assert comm.group_link(slow_nvlink, 32, 1, C).bw == pytest.approx(25e9)
+
+
+def test_dp_rings_at_one_rank_per_node_are_unchanged():
+  """With tensor parallelism filling the node (every MegaScale row) the ring's link is the
+  group's network link itself, so every prediction made before the two-level ring stands to the
+  last bit; a group inside one node rings over NVLink as before."""
+  for dp, tp in ((2, 8), (4, 8), (64, 8), (65, 8), (1000, 8), (6, 16), (8, 1), (2, 4)):
+    assert comm.ring_link(A100, dp, tp, DEFAULT) == comm.group_link(A100, dp, tp, DEFAULT)
+  n = memory.params_per_device(GPT_175B, LAYOUT)
+  flat = comm.group_link(A100, LAYOUT.dp, LAYOUT.tp, DEFAULT)
+  assert iteration.dp_times(GPT_175B, LAYOUT, A100, DEFAULT) == (
+      comm.reduce_scatter_time(n * DEFAULT.grad_reduce_bytes, LAYOUT.dp, flat),
+      comm.all_gather_time(n * DEFAULT.param_bytes, LAYOUT.dp, flat))
+
+
 def test_ring_collectives():
   link = comm.Link(bw=100e9, latency_s=1e-5, tier="x")
   # (n-1) steps of latency, (n-1)/n of the buffer over the link.

@@ -5,8 +5,8 @@ The driver (resilience/driver/supervisor.py) owns one `Observer` and calls it at
 every heartbeat as it arrives (`receive`, from the HTTP thread), each poll (`observe`: may return
 a straggler `Failure` under policy 'evict'), when a group starts and after a hang was declared
 (`localize_hang`, before the group is killed), and at the end (`finish`). Everything it finds
-goes to WORKDIR/resilience/: stragglers.jsonl, hang-attempt{A}.json, status.txt, and into the
-driver's report under 'observability'.
+goes to WORKDIR/resilience/: stragglers.jsonl, monitor.jsonl (the workers' per-second samples),
+hang-attempt{A}.json, status.txt, and into the driver's report under 'observability'.
 """
 import collections
 import json
@@ -37,6 +37,10 @@ class Observer:
       the worker's heartbeat thread, beside its training threads; where workers share cores
       (this 2-core machine) it measures that contention, not the host, and flagged a healthy
       rank in a drill, so it is off unless asked for.
+    os_threshold: the threshold detector also compares, every second, the ranks' run-queue
+      wait share (straggler.OS_METRICS) and flags a rank whose share exceeds the others' median
+      by this much for `os_window` seconds in a row (None: off). 0.1 and 10 s: see
+      docs/monitoring.md (measured on this machine's real jobs).
     detector: 'threshold' (straggler.py on each step's phase seconds) or 'minder' (Minder on the
       workers' per-second monitoring samples, minder/watch.py; needs 3 or more ranks, and
       trains on the job's first `minder_fit_s` seconds before it flags anything).
@@ -45,7 +49,8 @@ class Observer:
   def __init__(self, workdir: str, say, *, policy: str = "warn", threshold: float = 0.1,
                window: int = 10, status_every_s: float = 30.0, tokens_per_step: int = 0,
                host_probes: bool = False, detector: str = "threshold",
-               minder_fit_s: int = 120):
+               minder_fit_s: int = 120, os_threshold: float | None = 0.1,
+               os_window: int = 10):
     self.workdir, self.say, self.policy = workdir, say, policy
     self.host_probes = host_probes
     if detector not in DETECTORS:
@@ -56,6 +61,7 @@ class Observer:
       from mscale_jax.observability.minder.watch import MinderWatch
       self._watch = MinderWatch(fit_s=minder_fit_s, say=say)
     self.threshold, self.window = threshold, window
+    self.os_threshold, self.os_window = os_threshold, os_window
     self.status_every_s, self.tokens_per_step = status_every_s, tokens_per_step
     self.state_dir = os.path.join(workdir, "resilience")
     self.timeline_dir = os.path.join(workdir, "timeline")
@@ -78,6 +84,9 @@ class Observer:
     self._hosts = straggler.StragglerDetector(threshold=1.0, window=self.window, unit="ratio",
                                               smooth=1)
     self._host_round = 0
+    self._seconds = straggler.SecondTable()
+    self._os = straggler.StragglerDetector(threshold=self.os_threshold or 0.0,
+                                           window=self.os_window, unit="excess", smooth=5)
     self._probes = collections.defaultdict(lambda: collections.deque(maxlen=6))
     self._latest: dict[int, events.Heartbeat] = {}
     self._step_time = collections.deque(maxlen=20)
@@ -110,8 +119,11 @@ class Observer:
       if self.host_probes and beat.host_metrics and beat.phase == events.TRAINING:
         self._probes[beat.rank].append(beat.host_metrics)
         new_flags += self._host_update()
-      if self._watch is not None and beat.phase == events.TRAINING:
-        self._watch.add(beat.rank, beat.monitor)
+      if beat.monitor and beat.phase == events.TRAINING:
+        self._record_monitor(beat)
+        self._seconds.add(beat.rank, beat.monitor)
+        if self._watch is not None:
+          self._watch.add(beat.rank, beat.monitor)
     # Ranks still running (in the driver's watch mode, with no processes of its own: those
     # that reported).
     live = [r for r, p in enumerate(group.procs) if p.poll() is None] if group.procs \
@@ -121,6 +133,10 @@ class Observer:
       self._tensorboard(step, own, totals)
       flags_ = self._steps.update(step, own, step_time)
       if self._watch is None:
+        new_flags += flags_
+    for sec, values in self._seconds.ready(live):
+      flags_ = self._os.update(sec, values)
+      if self._watch is None and self.os_threshold is not None:
         new_flags += flags_
     if self._watch is not None:
       new_flags += self._watch.update(live)
@@ -132,9 +148,18 @@ class Observer:
     if self.policy == "evict" and new_flags:
       flag = new_flags[0]
       latest = self._latest.get(flag.rank)
-      step = flag.at if self._watch is None else (latest.step if latest else None)
+      by_step = self._watch is None and getattr(flag, "unit", None) == "step"
+      step = flag.at if by_step else (latest.step if latest else None)
       return events.Failure(events.STRAGGLER, flag.rank, flag.describe(), step=step)
     return None
+
+  def _record_monitor(self, beat: events.Heartbeat) -> None:
+    """Appends a heartbeat's per-second samples to WORKDIR/resilience/monitor.jsonl (one line
+    per heartbeat), so an evaluation can replay what the detectors saw."""
+    os.makedirs(self.state_dir, exist_ok=True)
+    with open(os.path.join(self.state_dir, "monitor.jsonl"), "a") as f:
+      f.write(json.dumps({"attempt": beat.attempt, "rank": beat.rank,
+                          "samples": beat.monitor}) + "\n")
 
   def _host_update(self) -> list:
     """One round of the host-probe detector once every rank sent a new probe while training;

@@ -11,6 +11,12 @@ Pure numpy; the driver feeds it what heartbeats carry (through observer.py):
   median of the other ranks, as a fraction of the job's step time ("rank 1 spends 0.48 of a
   step more in `host` than the others"); `threshold` is that fraction (default 0.1: the paper's
   "~10% slower machines").
+* per second, the workers' run-queue wait share (resilience/worker/monitor.py: of the time a
+  rank's threads were runnable, the share they waited for a CPU). A rank whose CPU the OS gives
+  to someone else waits on a run queue; its peers, slowed alike in synchronous training, wait
+  in the collective instead, off the run queue, so this one points at the victim where step
+  times cannot. Distance: the excess over the others' median in the metric's own units
+  (`unit='excess'`; threshold 0.1, see observer.py for where it comes from).
 * per heartbeat, host probes (a local matmul's time, resident memory; off by default, see
   observer.py): distance is
   the ratio to the others' median minus one (`threshold` 1.0: twice the others).
@@ -27,11 +33,14 @@ normal updates in a row.
 """
 import collections
 import dataclasses
+import math
+import time
 
 import numpy as np
 
 OWN_PHASES = ("data_wait", "host_to_device", "host", "log", "eval", "checkpoint_stall")
 HOST_METRICS = ("probe_ms", "rss_mb")   # the host probes the detector compares
+OS_METRICS = ("runq_wait_share",)       # per-second monitoring samples the detector compares
 
 
 @dataclasses.dataclass
@@ -51,6 +60,10 @@ class Flag:
       what = (f"{self.metric} {1e3 * self.value:.1f} ms/step vs {1e3 * self.others:.1f} ms on "
               f"the others (+{100 * self.score:.0f}% of a step)")
       when = f"since step {self.since} (flagged at step {self.at})"
+    elif self.unit == "excess":
+      what = f"{self.metric} {self.value:.3g} vs {self.others:.3g} on the others"
+      when = (f"since {time.strftime('%H:%M:%S', time.gmtime(self.since))} UTC "
+              f"(flagged {self.at - self.since} s later)")
     else:
       what = f"{self.metric} {self.value:.3g} vs {self.others:.3g} on the others"
       when = f"since heartbeat {self.since} (flagged at heartbeat {self.at})"
@@ -66,8 +79,9 @@ class StragglerDetector:
   Args:
     threshold: distance above which a rank is abnormal on a metric.
     window: consecutive abnormal updates before a flag (the continuity window).
-    unit: 'step' (seconds per iteration, distance as a fraction of the step time) or 'ratio'
-      (distance = value / median of the others - 1).
+    unit: 'step' (seconds per iteration, distance as a fraction of the step time), 'ratio'
+      (distance = value / median of the others - 1) or 'excess' (value - median of the others,
+      in the metric's units; updates indexed by epoch second).
     smooth: updates each rank's metrics are averaged over before scoring.
     z: with >= `min_ranks_for_z` ranks, also required: value - median of others > z x 1.4826
       x MAD of the others.
@@ -98,6 +112,8 @@ class StragglerDetector:
       excess = table[i] - median
       if self.unit == "step":
         score = excess / max(step_time or 0.0, 1e-9)
+      elif self.unit == "excess":
+        score = excess
       else:
         score = table[i] / np.maximum(median, 1e-12) - 1.0
       if len(ranks) >= self.min_ranks_for_z:
@@ -170,3 +186,38 @@ class StepTable:
       totals = {r: float(sum(row[r].values())) for r in ranks}
       own = {r: {p: row[r].get(p, 0.0) for p in OWN_PHASES} for r in ranks}
       yield step, own, totals, float(np.median(list(totals.values())))
+
+
+class SecondTable:
+  """Lines up the workers' per-second monitoring samples (Heartbeat.monitor) on whole seconds.
+
+  `add(rank, samples)` with each heartbeat's samples; `ready(ranks)` yields (second, {rank:
+  {metric: value}}) for the seconds every rank in `ranks` has a sample of `metrics` for, in
+  order. Anything not shaped like a sample (heartbeats come from the network) is skipped.
+  """
+
+  def __init__(self, metrics=OS_METRICS):
+    self.metrics = tuple(metrics)
+    self._rows: dict[int, dict[int, dict]] = collections.defaultdict(dict)
+
+  def add(self, rank: int, samples) -> None:
+    for s in samples or ():
+      if not isinstance(s, dict) or not _finite(s.get("t")):
+        continue
+      values = {m: float(s[m]) for m in self.metrics if _finite(s.get(m))}
+      if len(values) == len(self.metrics):
+        self._rows[int(s["t"])][rank] = values
+
+  def ready(self, ranks):
+    ranks = set(ranks)
+    complete = [s for s in sorted(self._rows) if ranks and ranks <= set(self._rows[s])]
+    if not complete:
+      return
+    for sec in sorted(s for s in self._rows if s <= complete[-1]):
+      row = self._rows.pop(sec)
+      if ranks <= set(row):
+        yield sec, {r: row[r] for r in ranks}
+
+
+def _finite(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -11,7 +11,8 @@ constant set, its ranges, which are fitted), compute / comm / layer / memory (co
 figures and the shared micro-batch rule), search (layout planner), calibrate (measured GEMM
 efficiency), fit (grid-search fit and the validation protocols), intervals (prediction intervals
 from the out-of-sample errors, and their coverage), sensitivity (+-10% per constant; the
-constants' ranges varied jointly).
+constants' ranges varied jointly), compressed (SDP4Bit's two-level quantized DP collectives),
+dp_comm (one layout with `none` and with SDP4Bit, at a given inter-node bandwidth).
 """
 from mscale_jax.perf.constants import DEFAULT, Constants
 from mscale_jax.perf.hardware import (A100_MEGASCALE, H100_DGX, H800_DGX, TPU_V5P, Hardware,

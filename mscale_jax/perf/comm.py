@@ -31,6 +31,50 @@ def group_link(hw: Hardware, size: int, stride: int, c: Constants) -> Link:
   return Link(hw.net_bw_per_device * c.net_eff * share, tier.latency_s, tier.name)
 
 
+def ranks_per_node(hw: Hardware, size: int, stride: int) -> int:
+  """How many ranks of a group of `size` ranks, `stride` apart, share a node: at least 1, and
+  exact where the stride divides the node and the group fills whole nodes, as data-parallel
+  groups (stride = tensor-parallel size) do."""
+  return max(1, min(size, hw.devices_per_node // stride))
+
+
+def ring_link(hw: Hardware, size: int, stride: int, c: Constants) -> Link:
+  """The link a ring all-gather or reduce-scatter over the group behaves as: its bus bandwidth.
+
+  NCCL runs these collectives as rings, one per channel, each cutting the buffer into `size`
+  chunks and moving one chunk per step over every edge of the ring at once: `size - 1` steps,
+  each as slow as the ring's busiest link (nccl-tests doc/PERFORMANCE.md: the bus bandwidth,
+  algorithm bandwidth x (n-1)/n, is the bottleneck link's). With g = `ranks_per_node` ranks of
+  the group in each of several nodes, NCCL orders every ring node by node: it enters a node
+  once, visits its g ranks over NVLink and leaves once, each channel through its own NIC. So in
+  one step of a B-byte collective
+    * a node's NICs carry B / n out (and in): one chunk per channel; the group owns the NIC
+      share of its g devices, g x `net_bw_per_device` at `net_eff`, derated for ECMP on the tier
+      like every network link (`group_link`);
+    * a device's NVLink carries (g - 1) / g x B / n: g - 1 of a node's g edges per channel are
+      intra-node, at `intra_node_bw` x `nvlink_eff`.
+  The ring's bus bandwidth is the slower of the two per byte of chunk:
+    min(g x nic_share, nvlink x g / (g - 1)),
+  so the pipelined ring pays only its bottleneck, not the sum of an intra-node and an inter-node
+  phase as a two-level schedule run one level after the other does (`compressed.py`). The
+  step latency stays the network tier's. With one rank per node (tensor parallelism filling
+  it: every MegaScale row) every edge is a NIC edge and this is `group_link` itself; a group
+  inside one node rings over NVLink alone, also `group_link`.
+
+  On H800 nodes (NVLink 200 GB/s per direction, 8 x 400 Gb/s NICs) at TP=1 (g = 8):
+  min(8 x 50 x 0.78, 200 x 0.82 x 8/7) = min(312, 187) GB/s, NVLink-bound, against the 39 GB/s
+  of one NIC share a ring with every hop across the network would get. The efficiencies are
+  `constants.py`'s (nccl-tests on DGX A100); 200 x 0.82 = 164 GB/s of NVLink matches what
+  DeepSeek-V3's report (arXiv 2412.19437, section 3.2.2) says H800's NVLink reaches, 160 GB/s.
+  """
+  link = group_link(hw, size, stride, c)
+  g = ranks_per_node(hw, size, stride)
+  if link.tier == "node" or g == 1:
+    return link
+  nvlink = hw.intra_node_bw * c.nvlink_eff
+  return Link(min(g * link.bw, nvlink * g / (g - 1)), link.latency_s, link.tier)
+
+
 def sm_share(hw: Hardware, c: Constants) -> float:
   """Fraction of the device's compute units a running collective takes from overlapped work."""
   return min(1.0, c.comm_sms / hw.num_sms)

@@ -11,42 +11,62 @@ sees the data-parallel group as g ranks in each of k nodes (g = the group's rank
 * codes below 16 bits carry a 32-bit scale per group, and quantizing, dequantizing and summing
   (and the Hadamard transform) stream the buffers through HBM once each, as the paper's fused
   kernels do. `DPCompression.uncompressed()` is the same two-level schedule at bf16 weights and
-  fp32 gradients with no quantization: the like-for-like baseline.
+  fp32 gradients with no quantization: the quantization's own baseline. NCCL's ring (`none`,
+  `comm.ring_link`) equals it with one data-parallel rank per node; with several the ring
+  pipelines its two links and wins unless few nodes and a slow network make the two-level
+  schedule's smaller share across nodes, (k-1)/k of the buffer against (n-1)/n, count more.
+
+The two gradient levels run one after the other (the official code's
+`--gradient-alltoall-pipeline 1`, its default and the authors' speed-test setting; the README's
+example pipelines 8 chunks to overlap them, which this model does not).
 
 A step of n values of b bits among P ranks moves (P - 1) / P * n * b / 8 bytes per rank on its
 tier (ring or direct all-to-all alike).
 """
 import dataclasses
 
+from mscale_jax.config import SDP4BitConfig
 from mscale_jax.perf import comm, compute
 from mscale_jax.perf.constants import Constants
 from mscale_jax.perf.hardware import Hardware
 
+_SDP4BIT = SDP4BitConfig()      # the one set of SDP4Bit defaults (and their sources)
+
 
 @dataclasses.dataclass(frozen=True)
 class DPCompression:
-  """Bit widths and group sizes of the data-parallel collectives (defaults: SDP4Bit's)."""
-  weight_bits: int = 4
-  weight_group: int = 2048
-  grad_bits_intra: int = 8
-  grad_bits_inter: int = 4
-  grad_group: int = 128
-  hadamard: bool = True
+  """Bit widths and group sizes of the data-parallel collectives.
+
+  Defaults: `config.SDP4BitConfig`'s, the paper's. Bits 16 and 32 are not quantized.
+  """
+  weight_bits: int = _SDP4BIT.weight_bits
+  weight_group: int = _SDP4BIT.weight_group
+  grad_bits_intra: int = _SDP4BIT.grad_bits_intra
+  grad_bits_inter: int = _SDP4BIT.grad_bits_inter
+  grad_group: int = _SDP4BIT.grad_group
+  hadamard: bool = _SDP4BIT.hadamard
 
   @classmethod
   def uncompressed(cls) -> "DPCompression":
     """bf16 weights, fp32 gradients: the same two-level schedule without quantization."""
     return cls(weight_bits=16, grad_bits_intra=32, grad_bits_inter=32, hadamard=False)
 
+  @classmethod
+  def from_config(cls, cfg: SDP4BitConfig) -> "DPCompression":
+    """What a training run with `optimizer.sdp4bit = cfg` sends: exact weights (weights='none')
+    go as bf16, exact gradients (gradients=False) as fp32, as `uncompressed()`."""
+    exact = cls.uncompressed()
+    weights = cfg.weights != "none"
+    return cls(weight_bits=cfg.weight_bits if weights else exact.weight_bits,
+               weight_group=cfg.weight_group,
+               grad_bits_intra=cfg.grad_bits_intra if cfg.gradients else exact.grad_bits_intra,
+               grad_bits_inter=cfg.grad_bits_inter if cfg.gradients else exact.grad_bits_inter,
+               grad_group=cfg.grad_group, hadamard=cfg.hadamard and cfg.gradients)
+
 
 def bytes_per_value(bits: int, group: int) -> float:
   """Wire bytes per value: the code plus its share of the group's float32 scale (< 16 bits)."""
   return bits / 8.0 if bits >= 16 else (bits + 32.0 / group) / 8.0
-
-
-def data_parallel_ranks_per_node(hw: Hardware, dp: int, tp: int) -> int:
-  """How many ranks of one data-parallel group (stride `tp`) share a node."""
-  return max(1, min(dp, hw.devices_per_node // tp))
 
 
 def _step(num_bytes: float, ranks: int, link: comm.Link) -> float:
@@ -67,7 +87,7 @@ def dp_times_two_level(n: float, dp: int, tp: int, comp: DPCompression, hw: Hard
   """(gradient reduction, parameter all-gather) seconds for `n` parameters per device."""
   if dp <= 1:
     return 0.0, 0.0
-  g = data_parallel_ranks_per_node(hw, dp, tp)
+  g = comm.ranks_per_node(hw, dp, tp)
   k = dp // g
   intra = comm.group_link(hw, g, tp, c)
   inter = comm.group_link(hw, k, tp * g, c)

@@ -89,12 +89,13 @@ def bubble_time(layout: Layout, stage_s: float, hop_s: float, pp_overlap: bool,
 
 def dp_times(model: ModelSpec, layout: Layout, hw: Hardware, c: Constants,
              compression=None) -> tuple:
-  """(reduce-scatter of gradients, all-gather of parameters) seconds for one device's stage
-  (SDP4Bit's quantized collectives with `compression`, see `compressed.py`)."""
+  """(reduce-scatter of gradients, all-gather of parameters) seconds for one device's stage:
+  NCCL's rings over the data-parallel group (`comm.ring_link`), or SDP4Bit's two-level
+  quantized collectives with `compression` (`compressed.py`)."""
   n = params_per_device(model, layout)
   if compression is not None:
     return compressed.dp_times_two_level(n, layout.dp, layout.tp, compression, hw, c)
-  link = comm.group_link(hw, layout.dp, layout.tp, c)
+  link = comm.ring_link(hw, layout.dp, layout.tp, c)
   return (comm.reduce_scatter_time(n * c.grad_reduce_bytes, layout.dp, link),
           comm.all_gather_time(n * c.param_bytes, layout.dp, link))
 

@@ -22,14 +22,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mscale_jax.config import SDP4BitConfig
+
+_SDP4BIT = SDP4BitConfig()      # the one set of SDP4Bit defaults (and their sources)
+
 FULL_BITS = (16, 32)                    # bfloat16 on the wire; float32 (no quantization)
 
 
 @dataclasses.dataclass(frozen=True)
 class Quantizer:
-  """How one collective quantizes: code width, group size, Hadamard transform or not."""
-  bits: int = 4
-  group: int = 128
+  """How one collective quantizes: code width, group size, Hadamard transform or not.
+
+  Bits and group default to SDP4Bit's inter-node gradient level (`config.SDP4BitConfig`).
+  """
+  bits: int = _SDP4BIT.grad_bits_inter
+  group: int = _SDP4BIT.grad_group
   hadamard: bool = False
   kernel: str = "xla"          # 'pallas': the fused kernel of pallas_kernels/quantize.py
 

@@ -1,0 +1,76 @@
+"""The threshold detector on the workers' per-second run-queue wait share (observer.py,
+straggler.SecondTable / unit 'excess'). The metric itself is tested against a real busy process
+in tests/test_monitor.py; here the detector's logic on noisy series of the measured spread."""
+import numpy as np
+import pytest
+
+from mscale_jax.observability import straggler
+from mscale_jax.observability.observer import Observer
+from mscale_jax.resilience import events
+
+T0 = 1_800_000_000
+
+
+class _Proc:
+  def poll(self):
+    return None
+
+
+class _Group:
+  attempt, started = 0, 0.0
+
+  def __init__(self, n):
+    self.slots = list(range(10, 10 + n))
+    self.procs = [_Proc() for _ in range(n)]
+
+
+def _beat(rank, second, share):
+  return events.Heartbeat(rank=rank, host="h", pid=1, phase=events.TRAINING, step=second,
+                          monitor=[{"t": T0 + second + 0.3, "runq_wait_share": share}])
+
+
+def _run(workdir, n, victim, *, shift, seed, os_threshold=0.1, seconds=60, onset=20):
+  """Feeds `seconds` heartbeats per rank: shares ~ N(0.6, 0.06) (the spread of healthy ranks
+  in our runs, docs/monitoring.md), `victim` + `shift` from `onset` on."""
+  rng = np.random.default_rng(seed)
+  observer = Observer(str(workdir), lambda _: None, status_every_s=0, os_threshold=os_threshold)
+  observer.start_group(_Group(n))
+  for sec in range(seconds):
+    for rank in range(n):
+      share = rng.normal(0.6, 0.06) + (shift if rank == victim and sec >= onset else 0.0)
+      observer.receive(_beat(rank, sec, float(share)), 0.0)
+    observer.observe(now=sec)
+  return observer.flags
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_waiting_for_cpu_is_flagged_after_the_window(tmp_path, n):
+  victim = int(np.random.default_rng(n).integers(n))
+  flags = _run(tmp_path, n, victim, shift=0.2, seed=n)
+  assert [f["rank"] for f in flags] == [victim]
+  (flag,) = flags
+  assert flag["metric"] == "runq_wait_share" and flag["unit"] == "excess"
+  assert T0 + 20 <= flag["since"] and flag["at"] - flag["since"] >= 9    # window 10 s
+  assert f"rank {victim}: runq_wait_share" in flag["message"]
+  assert (tmp_path / "resilience" / "monitor.jsonl").stat().st_size > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_noise_flags_nobody(tmp_path, seed):
+  assert _run(tmp_path, 3, None, shift=0.0, seed=seed) == []
+
+
+def test_off_when_no_threshold(tmp_path):
+  assert _run(tmp_path, 2, 1, shift=0.3, seed=5, os_threshold=None) == []
+
+
+def test_second_table_lines_up_ranks_and_skips_junk():
+  table = straggler.SecondTable()
+  table.add(0, [{"t": T0 + 0.5, "runq_wait_share": 0.5}, {"t": T0 + 1.2, "runq_wait_share": 0.4},
+                "junk", {"t": "x"}, {"t": T0 + 2.1, "runq_wait_share": None}])
+  table.add(1, [{"t": T0 + 0.9, "runq_wait_share": 0.7}, {"t": T0 + 2.5, "runq_wait_share": 0.1}])
+  assert list(table.ready([0, 1])) == [(T0, {0: {"runq_wait_share": 0.5},
+                                             1: {"runq_wait_share": 0.7}})]
+  table.add(1, [{"t": T0 + 1.0, "runq_wait_share": 0.2}])
+  assert list(table.ready([0, 1])) == [(T0 + 1, {0: {"runq_wait_share": 0.4},
+                                                 1: {"runq_wait_share": 0.2}})]
