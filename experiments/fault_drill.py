@@ -44,20 +44,7 @@ OLD_FAULTS = [("kill:rank=1", 0.071), ("bad_slot:slot=1", 0.067), ("kill:rank=0:
 OS_FAULTS = [("stop:rank=1", 0.442), ("contend:rank=1:seconds=30", 0.519),
              ("corrupt_checkpoint:rank=0", 0.615), ("io_error", 0.702), ("kill_driver", 0.788),
              ("kill_coordinator", 0.875)]
-_FAULTS = flags.DEFINE_multi_string("fault", [], "Faults to inject (experiments.launch --fault "
-                                    "syntax; default: the 12 above, spread over --steps).")
-_CONFIG = flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
-_STEPS = flags.DEFINE_integer("steps", 1560, "Training steps.")
-_CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint cadence.")
-_SPARES = flags.DEFINE_integer("spare_slots", 1, "Spare slots (a bad slot is replaced).")
-_WORKDIR = flags.DEFINE_string("workdir", "runs/fault_drill", "Folder for both runs.")
-_REFERENCE = flags.DEFINE_string("reference", None, "A finished fault-free run to compare "
-                                 "with (default: run one in WORKDIR/reference-<time>).")
-_RUN = flags.DEFINE_string("run", None, "A finished fault run (its workdir) to record again "
-                           "instead of running one (with --reference).")
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
-_TIMEOUT = flags.DEFINE_integer("timeout_s", 3600, "Give up on a launcher run (and kill all it "
-                                "started) after this many seconds.")
+FLAGS = flags.FLAGS
 TARGET = 0.95   # the fault run keeps this fraction of the fault-free run's rate (issue 18)
 
 
@@ -81,11 +68,11 @@ def launch(workdir: str, faults: list[str]) -> list[dict]:
     while True:
       result = job.run(
           workdir, ["--num_processes=2", "--devices_per_process=4",
-                    f"--spare_slots={_SPARES.value}", f"--max_restarts={len(faults) + 2}",
+                    f"--spare_slots={FLAGS.spare_slots}", f"--max_restarts={len(faults) + 2}",
                     *[f"--fault={f}" for f in faults]],
-          [f"--config={_CONFIG.value}", f"--config.train.steps={_STEPS.value}",
-           f"--config.train.checkpoint_every={_CHECKPOINT_EVERY.value}",
-           "--config.train.log_every=1"], timeout_s=_TIMEOUT.value, echo=True,
+          [f"--config={FLAGS.config}", f"--config.train.steps={FLAGS.steps}",
+           f"--config.train.checkpoint_every={FLAGS.checkpoint_every}",
+           "--config.train.log_every=1"], timeout_s=FLAGS.timeout_s, echo=True,
           keep_orphans=True)
       sessions.append(result.session)
       runs.append({"status": result.status, "wall_s": result.wall_s, "ended": time.time()})
@@ -182,13 +169,15 @@ def _slowdown(run_dir: str, spec: str, run: dict, iteration_s: float, report: di
     return {"fired": False}
   end = marker["time"] + fault.seconds
   window = [r for r in run.values() if marker["time"] <= r["time"] <= end + iteration_s]
-  flags_ = [f for f in report["observability"].get("straggler_flags") or []
-            if isinstance(f, dict) and (f.get("time") or 0) >= marker["time"]]
-  flagged = min((f["time"] for f in flags_), default=None)
+  since = [f for f in report["observability"].get("straggler_flags") or []
+           if isinstance(f, dict) and marker["time"] <= (f.get("time") or 0) <= end + 60]
+  victim = [f for f in since if f.get("rank") == fault.rank]   # the first flag of the victim
   return {"fired": True, "core": marker.get("core"), "steps_in_window": len(window),
           "slowdown_s": sum(max(r["step_time_s"] - iteration_s, 0.0) for r in window),
-          "flagged_rank": flags_[0].get("rank") if flags_ else None,
-          "detection_latency_s": flagged - marker["time"] if flagged else None}
+          "flagged_rank": victim[0]["rank"] if victim else None,
+          "flagged_metric": victim[0].get("metric") if victim else None,
+          "other_ranks_flagged": sorted({f.get("rank") for f in since} - {fault.rank}),
+          "detection_latency_s": victim[0]["time"] - marker["time"] if victim else None}
 
 
 def per_fault_rows(faults: list[str], report: dict, run: dict, run_dir: str,
@@ -294,19 +283,37 @@ def where_time_went(report: dict, run: dict, rows: list[dict], run_dir: str,
   return split
 
 
+def define_flags() -> None:
+  """Defines the CLI flags (only when run as a script, so importing defines none)."""
+  flags.DEFINE_multi_string("fault", [], "Faults to inject (experiments.launch --fault "
+                            "syntax; default: OLD_FAULTS + OS_FAULTS spread over --steps).")
+  flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
+  flags.DEFINE_integer("steps", 1560, "Training steps.")
+  flags.DEFINE_integer("checkpoint_every", 10, "Checkpoint cadence.")
+  flags.DEFINE_integer("spare_slots", 1, "Spare slots (a bad slot is replaced).")
+  flags.DEFINE_string("workdir", "runs/fault_drill", "Folder for both runs.")
+  flags.DEFINE_string("reference", None, "A finished fault-free run to compare "
+                      "with (default: run one in WORKDIR/reference-<time>).")
+  flags.DEFINE_string("run", None, "A finished fault run (its workdir) to record again "
+                      "instead of running one (with --reference).")
+  flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
+  flags.DEFINE_integer("timeout_s", 3600, "Give up on a launcher run (and kill all it "
+                       "started) after this many seconds.")
+
+
 def main(argv):
   del argv
   from experiments import results
   from mscale_jax.resilience.faults import parse_faults
   faults = [f.spec for f in parse_faults(
-      _FAULTS.value or default_faults(_STEPS.value, _CHECKPOINT_EVERY.value))]
+      FLAGS.fault or default_faults(FLAGS.steps, FLAGS.checkpoint_every))]
   stamp = time.strftime("%Y%m%d-%H%M%S")
   load_before = os.getloadavg()
-  ref_dir = _REFERENCE.value or os.path.join(_WORKDIR.value, f"reference-{stamp}")
+  ref_dir = FLAGS.reference or os.path.join(FLAGS.workdir, f"reference-{stamp}")
   if not os.path.exists(os.path.join(ref_dir, "summary.json")):
     launch(ref_dir, [])
-  run_dir = _RUN.value or os.path.join(_WORKDIR.value, f"faults-{stamp}")
-  if not _RUN.value:   # kept with the run, so that it can be recorded again (--run)
+  run_dir = FLAGS.run or os.path.join(FLAGS.workdir, f"faults-{stamp}")
+  if not FLAGS.run:   # kept with the run, so that it can be recorded again (--run)
     launches = launch(run_dir, faults)
     with open(os.path.join(run_dir, "drill_runs.json"), "w") as f:
       json.dump({"launcher_runs": launches, "load_average": [load_before[0], os.getloadavg()[0]]},
@@ -321,8 +328,8 @@ def main(argv):
   iteration_s = _tokens_per_step(ref_dir) / ref_summary["mean_tokens_per_s"]
   reference, run = metrics(ref_dir), metrics(run_dir)
   rows = per_fault_rows(faults, report, run, run_dir, iteration_s)
-  rate = _STEPS.value * iteration_s / report["wall_s"]
-  ref_rate = _STEPS.value * iteration_s / ref_report["wall_s"]
+  rate = FLAGS.steps * iteration_s / report["wall_s"]
+  ref_rate = FLAGS.steps * iteration_s / ref_report["wall_s"]
   figures = {
       "faults": rows,
       "faults_injected": len(faults),
@@ -334,8 +341,8 @@ def main(argv):
       "completed": report["completed"],
       "wall_s": report["wall_s"],
       "launcher_runs": drill_runs["launcher_runs"],
-      "steps": _STEPS.value,
-      "checkpoint_every": _CHECKPOINT_EVERY.value,
+      "steps": FLAGS.steps,
+      "checkpoint_every": FLAGS.checkpoint_every,
       "iteration_s": iteration_s,
       "iteration_s_source": "the fault-free run's steady mean (summary mean_tokens_per_s)",
       "effective_training_time_rate": rate,
@@ -362,9 +369,9 @@ def main(argv):
                       "negative steps_slower_than_steady_s",
   }
   device = {"platform": "cpu", "processes": 2, "devices_per_process": 4,
-            "spare_slots": _SPARES.value, "host_cpu_count": os.cpu_count()}
+            "spare_slots": FLAGS.spare_slots, "host_cpu_count": os.cpu_count()}
   path = results.write_record("fault_drill-" + ref_summary["config"], figures, device=device,
-                              out_dir=_OUT_DIR.value,
+                              out_dir=FLAGS.out_dir,
                               extra={"reference_workdir": ref_dir, "workdir": run_dir})
   png = path[:-len(".json")] + ".png"
   plot(rows, figures, png)
@@ -380,4 +387,5 @@ def _tokens_per_step(workdir: str) -> int:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
