@@ -97,7 +97,8 @@ def test_a_plain_fatal_line_fails_its_own_rank_at_once_and_finished_ranks_are_ig
 def test_reported_failures_come_before_exits_and_exits_are_filed_by_status():
   beat = events.Heartbeat(rank=1, host="h", pid=1, failure=events.Failure(
       events.EXCEPTION, 1, "ValueError: v", step=7).to_json())
-  failure = blame.reported({0: (events.Heartbeat(rank=0, host="h", pid=2), 0.0), 1: (beat, 0.0)})
+  healthy = events.Heartbeat(rank=0, host="h", pid=2)
+  failure = blame.reported({0: (healthy, 0.0), 1: (beat, 0.0)}, 2)
   assert (failure.kind, failure.rank, failure.step) == (events.EXCEPTION, 1, 7)
   assert blame.exited([None, 0]) is None
   assert blame.exited([0, events.EXIT_NONFINITE]).kind == events.NONFINITE
@@ -113,3 +114,20 @@ def test_a_hang_is_filed_on_the_localised_rank():
   blame.localised_hang(kept, None)   # nothing localised: the first-seen rank stays
   blame.localised_hang(kept, {"odd_ranks": [1, 0]})
   assert (kept.rank, kept.detail) == (1, "no step")
+
+
+def test_a_reported_error_that_names_a_lost_peer_is_filed_on_that_peer():
+  """Seen in the drill: rank 1 stopped (SIGSTOP); rank 0's checkpoint barrier failed on the
+  coordination service's 'Task 1 heartbeat timeout' and rank 0 reported the exception."""
+  detail = ("CheckpointWriteError: checkpoint step 690 could not be written (JaxRuntimeError: "
+            "INTERNAL: Barrier failed because: task is set to ERROR: UNAVAILABLE: Task 1 "
+            "heartbeat timeout. [type.googleapis.com/tensorflow.CoordinationServiceError=''])")
+  beat = events.Heartbeat(rank=0, host="h", pid=1, failure=events.Failure(
+      events.EXCEPTION, 0, detail, step=690).to_json())
+  failure = blame.reported({0: (beat, 0.0)}, 2)
+  assert (failure.kind, failure.rank, failure.step) == (events.FATAL_LOG, 1, 690)
+  assert failure.detail.endswith("(rank 0 reported it)")
+  own = events.Heartbeat(rank=0, host="h", pid=1, failure=events.Failure(
+      events.EXCEPTION, 0, "ValueError: Task 1 heartbeat timeout in my own code", step=3).to_json())
+  assert blame.reported({0: (own, 0.0)}, 2).rank == 0   # no coordination error: its own
+  assert blamed_task("UNAVAILABLE: Task 3 heartbeat timeout", 0, 2) == 0   # not in the group

@@ -23,14 +23,15 @@ from mscale_jax.resilience import events
 # Seconds a coordination-service fatal line is left to be followed by the lines naming its peer.
 SETTLE_S = 0.3
 
-_TASK = re.compile(r"/task:(\d+)|stopped sending heartbeats\):\s*(\d+)")
+_TASK = re.compile(r"/task:(\d+)|stopped sending heartbeats\):\s*(\d+)|"
+                   r"Task (\d+) heartbeat timeout")
 
 
 def blamed_task(text: str, rank: int, count: int) -> int:
   """The peer a coordination-service error names (a task that stopped sending heartbeats or
   a '/task:N' it lost), else `rank` itself (`count`: processes in the group)."""
   for match in _TASK.finditer(text):
-    task = int(match.group(1) or match.group(2))
+    task = int(next(g for g in match.groups() if g is not None))
     if task < count and task != rank:
       return task
   return rank
@@ -67,11 +68,18 @@ def killed_by_signal(codes: list, logs: list[str]) -> events.Failure | None:
   return None
 
 
-def reported(beats: dict) -> events.Failure | None:
-  """The first failure a worker reported about itself (`beats`: {rank: (heartbeat, arrival)})."""
+def reported(beats: dict, count: int) -> events.Failure | None:
+  """The first failure a worker reported about itself (`beats`: {rank: (heartbeat, arrival)};
+  `count`: ranks in the group). An error of the coordination service that names a peer it lost
+  (e.g. a checkpoint barrier failing on 'Task 1 heartbeat timeout' after rank 1 was stopped) is
+  that peer's, filed as the fatal line would be."""
   for rank, (beat, _) in sorted(beats.items()):
     if beat.failure:
       f = beat.failure
+      peer = blamed_task(f["detail"], rank, count) if "oordination" in f["detail"] else rank
+      if peer != rank:
+        return events.Failure(events.FATAL_LOG, peer, f"{f['detail'][:300]} (rank {rank} "
+                              f"reported it)", step=f.get("step"))
       return events.Failure(f["kind"], rank, f["detail"], step=f.get("step"))
   return None
 
