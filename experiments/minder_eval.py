@@ -80,6 +80,10 @@ def main(argv):
   t_choice, t_val = choose_threshold(val)
   minder = minder.with_config(**m_choice)
   log(f"  minder {m_choice}: F1 {m_val['f1']:.3f}; threshold {t_choice}: F1 {t_val['f1']:.3f}")
+  defaults = {k: getattr(MinderConfig(), k) for k in m_choice}
+  if m_choice != defaults:
+    log(f"  note: validation chose {m_choice}, MinderConfig's defaults (the driver's) are "
+        f"{defaults}")
 
   tests, curves = [], {"minder": {}, "threshold": {}}
   for size, h in zip(sizes, hours):
@@ -123,7 +127,8 @@ def main(argv):
                            "latency_s": [x for r in rows for x in r[d]["per_kind"][k]["latency_s"]]}
                        for k in fleet.FAULT_KINDS} for d in ("minder", "threshold")},
       "minder_config": dataclasses.asdict(minder.config), "threshold_config": t_choice,
-      "validation": {"minder": m_val, "threshold": t_val},
+      "validation": {"minder": m_val, "threshold": t_val,
+                     "minder_choice_is_the_default": m_choice == defaults},
       "priority": {"order": order, "importance": importance, "episodes": int(len(labels)),
                    "faulty_episodes": int(labels.sum())},
       "pr_curves": {"minder_ratio": {str(k): v for k, v in curves["minder"].items()},

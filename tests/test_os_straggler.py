@@ -24,21 +24,26 @@ class _Group:
     self.procs = [_Proc() for _ in range(n)]
 
 
-def _beat(rank, second, share):
+def _beat(rank, second, share, majflt=0.0):
   return events.Heartbeat(rank=rank, host="h", pid=1, phase=events.TRAINING, step=second,
-                          monitor=[{"t": T0 + second + 0.3, "runq_wait_share": share}])
+                          monitor=[{"t": T0 + second + 0.3, "runq_wait_share": share,
+                                    "majflt_per_s": majflt}])
 
 
-def _run(workdir, n, victim, *, shift, seed, os_threshold=0.1, seconds=60, onset=20):
+def _run(workdir, n, victim, *, shift, seed, os_detector=True, seconds=60, onset=20,
+         faults=0.0):
   """Feeds `seconds` heartbeats per rank: shares ~ N(0.6, 0.06) (the spread of healthy ranks
-  in our runs, docs/monitoring.md), `victim` + `shift` from `onset` on."""
+  in our runs, docs/monitoring.md), `victim` + `shift` from `onset` on; major faults ~
+  Poisson(1) on every rank, + Poisson(`faults`) on the victim from `onset` on."""
   rng = np.random.default_rng(seed)
-  observer = Observer(str(workdir), lambda _: None, status_every_s=0, os_threshold=os_threshold)
+  observer = Observer(str(workdir), lambda _: None, status_every_s=0, os_detector=os_detector)
   observer.start_group(_Group(n))
   for sec in range(seconds):
     for rank in range(n):
-      share = rng.normal(0.6, 0.06) + (shift if rank == victim and sec >= onset else 0.0)
-      observer.receive(_beat(rank, sec, float(share)), 0.0)
+      hit = rank == victim and sec >= onset
+      share = rng.normal(0.6, 0.06) + (shift if hit else 0.0)
+      majflt = rng.poisson(1.0) + (rng.poisson(faults) if hit else 0)
+      observer.receive(_beat(rank, sec, float(share), float(majflt)), 0.0)
     observer.observe(now=sec)
   return observer.flags
 
@@ -60,8 +65,13 @@ def test_healthy_noise_flags_nobody(tmp_path, seed):
   assert _run(tmp_path, 3, None, shift=0.0, seed=seed) == []
 
 
-def test_off_when_no_threshold(tmp_path):
-  assert _run(tmp_path, 2, 1, shift=0.3, seed=5, os_threshold=None) == []
+def test_a_rank_with_major_faults_is_flagged(tmp_path):
+  flags = _run(tmp_path, 3, 2, shift=0.0, seed=7, faults=2000.0)
+  assert [(f["rank"], f["metric"]) for f in flags] == [(2, "majflt_per_s")]
+
+
+def test_off_when_asked(tmp_path):
+  assert _run(tmp_path, 2, 1, shift=0.3, seed=5, faults=2000.0, os_detector=False) == []
 
 
 def test_second_table_lines_up_ranks_and_skips_junk():

@@ -37,10 +37,9 @@ class Observer:
       the worker's heartbeat thread, beside its training threads; where workers share cores
       (this 2-core machine) it measures that contention, not the host, and flagged a healthy
       rank in a drill, so it is off unless asked for.
-    os_threshold: the threshold detector also compares, every second, the ranks' run-queue
-      wait share (straggler.OS_METRICS) and flags a rank whose share exceeds the others' median
-      by this much for `os_window` seconds in a row (None: off). 0.1 and 10 s: see
-      docs/monitoring.md (measured on this machine's real jobs).
+    os_detector: the threshold detector also compares, every second, the ranks' run-queue wait
+      share and major page faults (straggler.OS_THRESHOLDS) and flags a rank that exceeds the
+      others' median by the metric's threshold for `os_window` seconds in a row (False: off).
     detector: 'threshold' (straggler.py on each step's phase seconds) or 'minder' (Minder on the
       workers' per-second monitoring samples, minder/watch.py; needs 3 or more ranks, and
       trains on the job's first `minder_fit_s` seconds before it flags anything).
@@ -49,8 +48,7 @@ class Observer:
   def __init__(self, workdir: str, say, *, policy: str = "warn", threshold: float = 0.1,
                window: int = 10, status_every_s: float = 30.0, tokens_per_step: int = 0,
                host_probes: bool = False, detector: str = "threshold",
-               minder_fit_s: int = 120, os_threshold: float | None = 0.1,
-               os_window: int = 10):
+               minder_fit_s: int = 120, os_detector: bool = True, os_window: int = 10):
     self.workdir, self.say, self.policy = workdir, say, policy
     self.host_probes = host_probes
     if detector not in DETECTORS:
@@ -61,7 +59,7 @@ class Observer:
       from mscale_jax.observability.minder.watch import MinderWatch
       self._watch = MinderWatch(fit_s=minder_fit_s, say=say)
     self.threshold, self.window = threshold, window
-    self.os_threshold, self.os_window = os_threshold, os_window
+    self.os_detector, self.os_window = os_detector, os_window
     self.status_every_s, self.tokens_per_step = status_every_s, tokens_per_step
     self.state_dir = os.path.join(workdir, "resilience")
     self.timeline_dir = os.path.join(workdir, "timeline")
@@ -85,8 +83,9 @@ class Observer:
                                               smooth=1)
     self._host_round = 0
     self._seconds = straggler.SecondTable()
-    self._os = straggler.StragglerDetector(threshold=self.os_threshold or 0.0,
-                                           window=self.os_window, unit="excess", smooth=5)
+    self._os = {m: straggler.StragglerDetector(threshold=t, window=self.os_window,
+                                               unit="excess", smooth=5)
+                for m, t in straggler.OS_THRESHOLDS.items()}
     self._probes = collections.defaultdict(lambda: collections.deque(maxlen=6))
     self._latest: dict[int, events.Heartbeat] = {}
     self._step_time = collections.deque(maxlen=20)
@@ -135,9 +134,12 @@ class Observer:
       if self._watch is None:
         new_flags += flags_
     for sec, values in self._seconds.ready(live):
-      flags_ = self._os.update(sec, values)
-      if self._watch is None and self.os_threshold is not None:
-        new_flags += flags_
+      for metric, detector in self._os.items():
+        if not all(metric in v for v in values.values()):
+          continue
+        flags_ = detector.update(sec, {r: {metric: v[metric]} for r, v in values.items()})
+        if self._watch is None and self.os_detector:
+          new_flags += flags_
     if self._watch is not None:
       new_flags += self._watch.update(live)
     for flag in new_flags:

@@ -11,12 +11,12 @@ Pure numpy; the driver feeds it what heartbeats carry (through observer.py):
   median of the other ranks, as a fraction of the job's step time ("rank 1 spends 0.48 of a
   step more in `host` than the others"); `threshold` is that fraction (default 0.1: the paper's
   "~10% slower machines").
-* per second, the workers' run-queue wait share (resilience/worker/monitor.py: of the time a
-  rank's threads were runnable, the share they waited for a CPU). A rank whose CPU the OS gives
-  to someone else waits on a run queue; its peers, slowed alike in synchronous training, wait
-  in the collective instead, off the run queue, so this one points at the victim where step
-  times cannot. Distance: the excess over the others' median in the metric's own units
-  (`unit='excess'`; threshold 0.1, see observer.py for where it comes from).
+* per second, two of the workers' monitoring samples (resilience/worker/monitor.py), each with
+  its own threshold (OS_THRESHOLDS): the run-queue wait share (of the time a rank's threads were
+  runnable, the share they waited for a CPU: a rank whose CPU the OS gives to someone else
+  waits on a run queue, while its peers, slowed alike in synchronous training, wait in the
+  collective, off the run queue) and major page faults per second (memory pressure). Distance:
+  the excess over the others' median in the metric's own units (`unit='excess'`).
 * per heartbeat, host probes (a local matmul's time, resident memory; off by default, see
   observer.py): distance is
   the ratio to the others' median minus one (`threshold` 1.0: twice the others).
@@ -40,7 +40,13 @@ import numpy as np
 
 OWN_PHASES = ("data_wait", "host_to_device", "host", "log", "eval", "checkpoint_stall")
 HOST_METRICS = ("probe_ms", "rss_mb")   # the host probes the detector compares
-OS_METRICS = ("runq_wait_share",)       # per-second monitoring samples the detector compares
+# Per-second monitoring samples the detector compares, and the excess over the other ranks'
+# median that counts as abnormal. runq_wait_share: healthy ranks of a 2-process job on this
+# loaded 2-core host stayed within 0.07 of each other (5-s means over 2 min), a busy process
+# on one rank's core put it 0.14-0.2 above (docs/monitoring.md). majflt_per_s: healthy ranks
+# have none once compiled; a rank whose memory is reclaimed takes thousands a second.
+OS_THRESHOLDS = {"runq_wait_share": 0.1, "majflt_per_s": 100.0}
+OS_METRICS = tuple(OS_THRESHOLDS)
 
 
 @dataclasses.dataclass
@@ -192,8 +198,9 @@ class SecondTable:
   """Lines up the workers' per-second monitoring samples (Heartbeat.monitor) on whole seconds.
 
   `add(rank, samples)` with each heartbeat's samples; `ready(ranks)` yields (second, {rank:
-  {metric: value}}) for the seconds every rank in `ranks` has a sample of `metrics` for, in
-  order. Anything not shaped like a sample (heartbeats come from the network) is skipped.
+  {metric: value}}) for the seconds every rank in `ranks` has a sample for, in order; a value
+  that is missing or not a finite number is left out. Anything not shaped like a sample
+  (heartbeats come from the network) is skipped.
   """
 
   def __init__(self, metrics=OS_METRICS):
@@ -205,7 +212,7 @@ class SecondTable:
       if not isinstance(s, dict) or not _finite(s.get("t")):
         continue
       values = {m: float(s[m]) for m in self.metrics if _finite(s.get(m))}
-      if len(values) == len(self.metrics):
+      if values:
         self._rows[int(s["t"])][rank] = values
 
   def ready(self, ranks):

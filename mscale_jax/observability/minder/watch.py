@@ -14,17 +14,17 @@ import threading
 
 import numpy as np
 
-def _small_job_config():
+def _default_config():
   from mscale_jax.observability.minder.detector import MinderConfig
   from mscale_jax.observability.minder.vae import VAEConfig
-  # A few ranks: the ratio to the median machine is bounded (about 2 with 3 ranks), so the
-  # evidence is the score against the metric's healthy reference instead (detector.py).
-  return MinderConfig(ratio=1.3, floor=0.0, floor_scale=2.0, continuity=4,
-                      vae=VAEConfig(steps=200))
+  # MinderConfig's thresholds (made fit for the job's size in `_on_second`); fewer VAE steps
+  # than the fleet evaluation's, so that training beside the driver takes seconds.
+  return MinderConfig(vae=VAEConfig(steps=200))
 
 
 WATCH_METRICS = ("step_time_s", "data_wait_s", "cpu_frac", "rss_mb", "hb_rtt_ms",
-                 "io_write_mb_s", "device_mem_mb")
+                 "io_write_mb_s", "device_mem_mb", "runq_wait_frac", "runq_wait_share",
+                 "nivcsw_per_s", "majflt_per_s", "sample_lag_ms")
 
 
 def _number(x) -> bool:
@@ -34,12 +34,13 @@ def _number(x) -> bool:
 class MinderWatch:
   """Args:
     fit_s: seconds of aligned samples (all ranks) to train on before detecting.
-    config: the MinderConfig (None: `_small_job_config()`, continuity 4 checks = 20 s).
+    config: the MinderConfig (None: its defaults, with 200 VAE steps); applied through
+      `for_machines(number of ranks)`.
     say: the driver's print, for progress lines.
   """
 
   def __init__(self, *, fit_s: int = 120, config=None, say=print, max_gap_s: int = 3):
-    self.config = config or _small_job_config()
+    self.config = config or _default_config()
     self.fit_s, self.say, self.max_gap_s = fit_s, say, max_gap_s
     self.minder = None
     self._fitting = None
@@ -105,6 +106,7 @@ class MinderWatch:
     if self.minder is None:
       if self._fitting is None and len(self._grid) >= self.fit_s:
         data = self._arrays(self._grid[-self.fit_s:], ranks)
+        self.config = self.config.for_machines(len(ranks))
         self._fitting = threading.Thread(target=self._fit, args=(data,), daemon=True)
         self._fitting.start()
         self.say(f"[minder] training on the first {self.fit_s} s of {len(ranks)} ranks "
