@@ -50,8 +50,12 @@ _PORT = flags.DEFINE_integer("coordinator_port", 0, "Coordinator port; 0 picks a
                              "for each (re)start.")
 _HEARTBEAT_PORT = flags.DEFINE_integer("heartbeat_port", 0, "Driver's heartbeat port (0: any).")
 _HEARTBEAT_S = flags.DEFINE_float("heartbeat_s", 2.0, "Seconds between worker heartbeats.")
-_HANG = flags.DEFINE_float("hang_timeout_s", 60.0, "A worker with no new step for "
-                           "max(this, hang_step_factor x step time) is hung.")
+_HANG = flags.DEFINE_float("hang_timeout_s", 60.0, "Until the job's step time is known (its "
+                           "first 20 heartbeats in training), a worker with no new step for "
+                           "max(this, hang_step_factor x median step time) is hung.")
+_HANG_FLOOR = flags.DEFINE_float("hang_floor_s", 10.0, "Once the step time is known: hung after "
+                                 "max(this, hang_step_factor x the 95th percentile step time) "
+                                 "(never more than --hang_timeout_s's floor).")
 _HANG_FACTOR = flags.DEFINE_float("hang_step_factor", 20.0, "See --hang_timeout_s.")
 _STARTUP = flags.DEFINE_float("startup_timeout_s", 600.0, "Allowed time to start, restore "
                               "and compile.")
@@ -241,7 +245,8 @@ def main(argv):
       coordinator_host=_HOST.value, coordinator_port=_PORT.value,
       heartbeat_port=_HEARTBEAT_PORT.value, heartbeat_s=_HEARTBEAT_S.value,
       heartbeat_token=os.environ.get("MSCALE_HEARTBEAT_TOKEN", ""),
-      hang_timeout_s=_HANG.value, hang_step_factor=_HANG_FACTOR.value,
+      hang_timeout_s=_HANG.value, hang_floor_s=_HANG_FLOOR.value,
+      hang_step_factor=_HANG_FACTOR.value,
       startup_timeout_s=_STARTUP.value, io_timeout_s=_IO_TIMEOUT.value,
       max_restarts=_RESTARTS.value,
       self_check=_SELF_CHECK.value, standby=_STANDBY.value, faults=tuple(faults),

@@ -130,3 +130,17 @@ def test_a_hang_is_blamed_on_the_rank_the_localiser_names(tmp_path):
   assert located["odd_ranks"] == [0]
   codes = {r["rank"]: r["code"] for r in located["ranks"]}
   assert codes == {0: "fake_worker.py:host_work", 1: "fake_worker.py:wait_for_result"}
+
+
+def test_once_the_step_time_is_known_a_hang_is_caught_far_inside_the_long_floor(tmp_path):
+  """hang_timeout_s (here 120 s, past the test's own timeout) holds only until the job has
+  reported its step time; the hang at step 150 is then caught after max(hang_floor_s, 20 x the
+  95th percentile step time) and the job completes."""
+  plan = {"steps": 200, "misbehave": misbehave((0, 0, 150, "hang"))}
+  status, report, output = drive(tmp_path, plan, hang_timeout_s=120.0, hang_floor_s=2.0,
+                                 hang_step_factor=20.0, timeout_s=90)
+  assert status == 0 and report["completed"], output[-2000:]
+  (failure,) = report["failures"]
+  assert (failure["kind"], failure["rank"], failure["step"]) == ("hang", 0, 149), failure
+  limit = float(failure["detail"].split("(limit ")[1].split(" s)")[0])
+  assert 2.0 <= limit < 60.0, failure["detail"]

@@ -70,7 +70,6 @@ def test_an_exit_is_read_with_the_failure_the_worker_reported_before_it(tmp_path
     driver.server.receive(beat(rank=0, pid=4243, time=100.0, step=4))
     group.procs = [_Running(), _ExitsAfterReporting(driver.server)]
     group.logs = [str(tmp_path / "rank0.log"), str(tmp_path / "rank1.log")]
-    group.offsets = [0, 0]
     failure = driver._poll(group)
     assert (failure.kind, failure.rank, failure.step) == (events.EXCEPTION, 1, 5), failure
     assert failure.detail == "RuntimeError: boom"

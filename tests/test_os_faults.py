@@ -16,7 +16,7 @@ import pytest
 from mscale_jax.errors import ConfigError
 from mscale_jax.files import verify_manifest, write_manifest
 from mscale_jax.resilience.driver import claim, injector
-from mscale_jax.resilience.driver.claim import blamed_task, latest_checkpoint
+from mscale_jax.resilience.driver.claim import latest_checkpoint
 from mscale_jax.resilience.faults import DRIVER, parse_fault, parse_faults
 from mscale_jax.resilience.worker import selfcheck
 from mscale_jax.resilience.worker.faults import corrupt_received
@@ -236,18 +236,6 @@ def test_a_claim_names_a_live_driver_and_ends_a_dead_ones_workers(tmp_path, work
   assert claim.end_leftover_workers(stale) == [] and workers.procs[1].poll() is None
   assert claim.end_leftover_workers(record) == [workers.procs[1].pid]
   assert workers.procs[1].wait(timeout=10) == -signal.SIGKILL
-
-
-def test_a_coordination_error_blames_the_peer_it_names():
-  polled = ("E1126 05:41:49.222062 2118 coordination_service_agent.cc:289] Polled an error from "
-            "coordination service (this can be an error from this or another task).\n"
-            "F1126 05:41:49.222268 2118 client.h:80] Terminating process because the JAX "
-            "distributed service detected fatal errors. ... UNAVAILABLE: The following tasks "
-            "are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.")
-  assert blamed_task(polled, 0, 2) == 1
-  assert blamed_task("Task /job:jax_worker/replica:0/task:0 heartbeat timeout", 1, 2) == 0
-  assert blamed_task("Check failed: something", 0, 2) == 0
-  assert blamed_task("/job:jax_worker/replica:0/task:7 gone", 1, 2) == 1   # not in the group
 
 
 # -- a bad slot --------------------------------------------------------------------------------

@@ -103,10 +103,13 @@ def _placement(fault: dict) -> tuple:
   # worker's before step N runs (or during step N's save).
   fired = _number(fault.get("injected_step"))
   restore, lost = _number(fault.get("restore_step")), _number(fault.get("steps_lost"))
-  if fault.get("by") == "driver" and restore is not None and lost is not None:
+  if (fault.get("by") == "driver" or spec.startswith("nan")) and restore is not None \
+      and lost is not None:
     # The driver fires on the step a heartbeat reported (every few seconds), so the fault
-    # strikes at or after it: the last step logged before the restart says where training stood.
-    return int(restore + lost), during_save, "its restore step + steps lost (driver-injected)"
+    # strikes at or after it; a non-finite loss is found once its step has run, and whether the
+    # driver heard of that step first is a race: the last step the driver saw before the
+    # restart says where training stood.
+    return int(restore + lost), during_save, "its restore step + steps lost (as recorded)"
   if fired is not None:
     done = fault.get("by") == "driver" or during_save
     return int(fired) - (0 if done else 1), during_save, "the step it was injected at"

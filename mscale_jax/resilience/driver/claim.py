@@ -10,7 +10,6 @@ driver left running and carries the job's history on, so that the report covers 
 import glob
 import json
 import os
-import re
 import signal
 
 from mscale_jax.files import verify_manifest, write_json
@@ -107,52 +106,6 @@ def latest_checkpoint(workdir: str) -> int:
   steps = sorted((int(d) for d in os.listdir(directory) if d.isdigit()), reverse=True) \
       if os.path.isdir(directory) else []
   return next((s for s in steps if verify_manifest(os.path.join(directory, str(s))) is None), 0)
-
-
-def blamed_task(text: str, rank: int, count: int) -> int:
-  """The peer a coordination-service error names (a task that stopped sending heartbeats or
-  a '/task:N' it lost), else `rank` itself (`count`: processes in the group)."""
-  for match in _TASK.finditer(text):
-    task = int(match.group(1) or match.group(2))
-    if task < count and task != rank:
-      return task
-  return rank
-
-
-def killed_by_signal(codes: list, logs: list[str]) -> events.Failure | None:
-  """The failure of the first worker killed by a signal (`codes`: the workers' exit statuses,
-  None while running; `logs`: their log files), or None if none was.
-
-  A worker that aborted (SIGABRT) on a coordination-service error lost a peer (one stopped,
-  killed or silent): the peer the error names is at fault, as when that line is read before the
-  exit (supervisor.py). The abort can reach the driver first, so its finished log is read here;
-  and a worker killed by another signal is blamed before one that aborted.
-  """
-  killed = [r for r, code in enumerate(codes) if code is not None and code < 0]
-  for rank in sorted(killed, key=lambda r: codes[r] == -signal.SIGABRT):
-    if codes[rank] == -signal.SIGABRT:
-      tail = log_tail(logs[rank], wait_s=0.0)   # the worker has exited: its log is complete
-      line = next((l.strip()[:300] for l in tail.splitlines()
-                   if "coordination" in l and events.fatal_pattern(l)), None)
-      if line and (peer := blamed_task(tail, rank, len(codes))) != rank:
-        return events.Failure(events.FATAL_LOG, peer, f"{line} (rank {rank} aborted on it)")
-    return events.Failure(events.EXITED, rank, f"killed by signal {-codes[rank]}")
-  return None
-
-
-def log_tail(path: str, size: int = 16384, wait_s: float = 0.3) -> str:
-  """The last `size` bytes of a log, after `wait_s` (the lines after a fatal one name the peer)."""
-  import time
-  time.sleep(wait_s)
-  try:
-    with open(path, "rb") as f:
-      f.seek(max(os.path.getsize(path) - size, 0))
-      return f.read().decode(errors="replace")
-  except OSError:
-    return ""
-
-
-_TASK = re.compile(r"/task:(\d+)|stopped sending heartbeats\):\s*(\d+)")
 
 
 def last_logged_step(workdir: str) -> int:

@@ -7,18 +7,23 @@ heartbeats over HTTP/JSON, and declares a failure when a worker
   exits non-zero or is killed            (its exit status; kill -9 included)
   reports an exception or a NaN stop     (its last heartbeat, sent just before it dies)
   logs a known fatal line                (events.FATAL_LOG_PATTERNS, in its log file)
-  stops advancing                        (hang: no new step within max(hang_timeout_s,
-                                          hang_step_factor x the measured step time), or no
+  stops advancing                        (hang: no new step within the hang limit, or no
                                           heartbeat at all; compiling gets startup_timeout_s,
                                           a checkpoint save or evaluation io_timeout_s)
 
-Then it kills the whole group and restarts it, from warm standby processes when it has them
-(standby.py). The restarted group first runs the self-checks (resilience/worker/selfcheck.py)
-on its slots; if a slot fails them, the group exits and the driver starts it again without that
-slot (a spare takes its place; without spares the job shrinks and the `data` mesh axis with
-it). A group that passes resumes from the latest complete checkpoint with the same global
-batches. A failure that repeats at the same step, or a bad configuration (a worker exits with
-status 2), ends the job. Everything lands in WORKDIR/resilience/report.json.
+The hang limit adapts to the job (as a watchdog must: a fixed one is either too long for fast
+steps or too short for slow ones): hang_timeout_s until the job has reported HANG_WARMUP step
+times (its first steps: compilation, first saves), then hang_step_factor x the 95th percentile
+of its recent step times, at least hang_floor_s (and never above hang_timeout_s's floor).
+
+It files the failure on the rank at fault (blame.py), kills the whole group and restarts it,
+from warm standby processes when it has them (standby.py). The restarted group first runs the
+self-checks (resilience/worker/selfcheck.py) on its slots; if a slot fails them, the group exits
+and the driver starts it again without that slot (a spare takes its place; without spares the
+job shrinks and the `data` mesh axis with it). A group that passes resumes from the latest
+complete checkpoint with the same global batches. A failure that repeats at the same step, or a
+bad configuration (a worker exits with status 2), ends the job. Everything lands in
+WORKDIR/resilience/report.json.
 """
 import dataclasses
 import itertools
@@ -34,9 +39,8 @@ import time
 from mscale_jax.files import write_json
 from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
-from mscale_jax.resilience.driver import claim
-from mscale_jax.resilience.driver.claim import (blamed_task, fired_since, latest_checkpoint,
-                                                 log_tail)
+from mscale_jax.resilience.driver import blame, claim
+from mscale_jax.resilience.driver.claim import fired_since, latest_checkpoint
 from mscale_jax.resilience.driver.injector import OsInjector
 from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
@@ -56,7 +60,8 @@ class DriverOptions:
   heartbeat_port: int = 0             # the driver's HTTP endpoint; 0: any free port
   heartbeat_token: str = ""           # the job's secret for that endpoint; "": a new one
   heartbeat_s: float = 2.0
-  hang_timeout_s: float = 60.0
+  hang_timeout_s: float = 60.0       # the hang floor until the job's step time is known
+  hang_floor_s: float = 10.0         # ... and once it is (see the module docstring)
   hang_step_factor: float = 20.0
   startup_timeout_s: float = 600.0
   io_timeout_s: float = 120.0         # allowed for one checkpoint save or evaluation
@@ -82,6 +87,11 @@ class DriverOptions:
   minder_fit_s: int = 120
 
 
+# The adaptive hang limit: step times (one per heartbeat) before it applies, and how many recent
+# ones it reads.
+HANG_WARMUP, HANG_WINDOW = 20, 100
+
+
 def free_port(host: str = "127.0.0.1") -> int:
   with socket.socket() as s:
     s.bind((host, 0))
@@ -95,7 +105,7 @@ class _Group:
     self.attempt, self.slots = attempt, slots
     self.procs: list[subprocess.Popen] = []
     self.logs: list[str] = []
-    self.offsets: list[int] = []
+    self.fatal_logs = blame.FatalLogs(self.logs)
     self.started = time.time()
     self.progress: dict[int, tuple[int, str, float]] = {}   # rank: (step, phase, since)
     self.warm = 0   # processes started from standbys
@@ -153,8 +163,8 @@ class Driver:
           break
         group = self._start(attempt, active)
         failure = self._supervise(group)
-        if failure is not None and failure.kind == events.HANG:
-          self._blame_hang(failure)   # before the group is killed
+        if failure is not None and failure.kind == events.HANG:   # before the group is killed
+          blame.localised_hang(failure, self.observer.localize_hang(failure))
         if failure is not None and failure.kind == events.STRAGGLER:
           self.excluded[active[failure.rank]] = failure.detail   # policy 'evict'
         self._stop(group)
@@ -290,7 +300,6 @@ class Driver:
                                   env=dict(os.environ, **env), process_group=0)
       group.procs.append(proc)
       group.logs.append(path)
-      group.offsets.append(0)
     self._claim(group.procs)
     if group.warm:
       self.say(f"attempt {attempt}: {group.warm} of {len(slots)} processes from warm standbys")
@@ -317,16 +326,6 @@ class Driver:
       env["MSCALE_COMPILE_CACHE"] = o.compile_cache_dir or os.path.join(self.state_dir,
                                                                         "compile_cache")
     return env
-
-  def _blame_hang(self, failure: events.Failure) -> None:
-    """Localises a declared hang (observer: stack dumps, loop phases, mesh coordinates) and
-    files it on the rank the localiser names, rather than on the rank that advanced least
-    recently (in a collective every rank waits: who reported last is chance)."""
-    found = self.observer.localize_hang(failure)
-    odd = (found or {}).get("odd_ranks") or []
-    if odd and failure.rank not in odd:
-      failure.detail += f" (first seen on rank {failure.rank}; localised to rank(s) {odd})"
-      failure.rank = odd[0]
 
   def _stop(self, group: _Group) -> None:
     """Kills every process of the group (and anything it started), then reaps them."""
@@ -356,42 +355,12 @@ class Driver:
     beats = {r: (b, t) for r, (b, t) in self.server.latest().items()
              if b.attempt == group.attempt}
     self._note_progress(group, beats)
-    # A killed worker comes first: its peers' errors (a collective that lost its peer) follow
-    # from it; then what workers said about themselves; then other exits.
     self.injector.poll(group.procs, max((b.step for b, _ in beats.values()), default=0))
-    if (killed := claim.killed_by_signal(codes, group.logs)) is not None:
-      return killed
-    for rank, (beat, _) in beats.items():
-      if beat.failure:
-        f = beat.failure
-        return events.Failure(f["kind"], rank, f["detail"], step=f.get("step"))
-    for rank, code in enumerate(codes):
-      if code not in (None, 0):
-        kind = {events.EXIT_NONFINITE: events.NONFINITE,
-                events.EXIT_SELF_CHECK_FAILED: events.SELF_CHECK_FAILED}.get(code, events.EXITED)
-        return events.Failure(kind, rank, f"exit status {code}")
-    for rank, path in enumerate(group.logs):
-      if codes[rank] == 0:   # what a finished worker printed while its peers shut down
-        continue
-      line = self._new_fatal_line(group, rank, path)
-      if line:   # a coordination-service error names the peer it lost: that one is at fault
-        context = log_tail(path) if "coordination" in line else line
-        return events.Failure(events.FATAL_LOG, blamed_task(context, rank, len(codes)), line)
-    return self.observer.observe(now) or self._check_progress(group, beats, now)
-
-  def _new_fatal_line(self, group: _Group, rank: int, path: str) -> str | None:
-    try:
-      with open(path, "rb") as f:
-        f.seek(group.offsets[rank])
-        chunk = f.read()
-    except OSError:
-      return None
-    end = chunk.rfind(b"\n") + 1   # whole lines only
-    group.offsets[rank] += end
-    for line in chunk[:end].decode(errors="replace").splitlines():
-      if events.fatal_pattern(line):
-        return line.strip()[:300]
-    return None
+    # Strongest evidence first (blame.py): a killed worker (its peers' errors follow from it),
+    # what workers said about themselves, other exits, fatal log lines; then stragglers, hangs.
+    return (blame.killed_by_signal(codes, group.logs) or blame.reported(beats, len(group.slots))
+            or blame.exited(codes) or group.fatal_logs.poll(codes, now)
+            or self.observer.observe(now) or self._check_progress(group, beats, now))
 
   def _note_progress(self, group: _Group, beats) -> None:
     """Each rank's step and phase since when, and the group's first step (before failures)."""
@@ -407,10 +376,18 @@ class Driver:
             beat.phase == events.TRAINING:
           group.first_step_at = received
 
+  def hang_limit(self, group: _Group) -> float:
+    """Seconds without a new step that make a hang (module docstring): step times from the
+    heartbeats of this group and the earlier ones (the same job, the same steps)."""
+    o, times = self.o, (self._step_times + group.step_times)[-HANG_WINDOW:]
+    if len(times) < HANG_WARMUP:
+      return max(o.hang_timeout_s, o.hang_step_factor * (statistics.median(times) if times else 0))
+    p95 = statistics.quantiles(times, n=20)[-1]
+    return max(min(o.hang_floor_s, o.hang_timeout_s), o.hang_step_factor * p95)
+
   def _check_progress(self, group: _Group, beats, now: float) -> events.Failure | None:
     o = self.o
-    step_time = statistics.median(group.step_times[-20:]) if group.step_times else 0.0
-    limit = max(o.hang_timeout_s, o.hang_step_factor * step_time)
+    limit = self.hang_limit(group)
     # Ranks step together (every step has collectives), so a hang is the group's: no rank has
     # advanced within the allowance of the slowest phase any rank is in (ranks wait for a peer
     # that compiles or saves). The rank that advanced least recently is named.
