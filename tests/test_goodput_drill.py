@@ -76,6 +76,11 @@ def test_the_reader_takes_other_field_names_and_new_fault_kinds(tmp_path):
       ("bad_slot:slot=1:step=9", "found by the self-check of kill:rank=1:step=13's restart: its "
                                  "cost is in that restart"))
   assert case.reference_wall_s is None and case.startup_s == 0.0
+  # No where_time_went: the measured split is worked out from the per-fault times as the drill
+  # does (restart: self-check + restart + the first new step), start-up left in other_s.
+  assert case.measured_breakdown == pytest.approx(
+      {"training_s": 30.0, "detection_s": 6.5, "restart_s": 3.5 + 2.5, "replayed_steps_s": 2.5,
+       "other_s": 50.0 - 30.0 - 6.5 - 6.0 - 2.5})
   pred = drill.predict(case)
   assert pred.lost == (2, 3) and pred.residual_per_step_s is None
   # By hand: 65 iterations run (60 + 2 + 3 replayed) at 0.5 s; saves at 5..60 stalling 1.0 s

@@ -195,6 +195,20 @@ def _dicts(value) -> list:
   return [x for x in value if isinstance(x, dict)] if isinstance(value, list) else []
 
 
+def _split_from_faults(faults, lost, steps, iteration_s, startup, wall) -> dict:
+  """fault_drill's where_time_went from a record's per-fault times, for records that predate
+  it: training and replay at the fed iteration time, detection, restart (self-check and the
+  first new step included), start-up if recorded; other_s the rest of the wall."""
+  split = {"training_s": steps * iteration_s,
+           "detection_s": sum(f.detection_s for f in faults),
+           "restart_s": sum(f.diagnosis_s + f.restart_s + iteration_s for f in faults),
+           "replayed_steps_s": sum(x or 0 for x in lost) * iteration_s}
+  if startup is not None:
+    split["startup_s"] = startup
+  split["other_s"] = wall - sum(split.values())
+  return split
+
+
 def read_case(path: str, records: dict | None = None) -> DrillCase:
   """Reads one drill record. `records` ({path: record}) lets a record without the reference
   run's wall time borrow it from another measured against the same reference run.
@@ -240,6 +254,11 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
     faults.append(fault)
     specs.append(str(f.get("injected") or f.get("kind")))
     lost.append(_number(f.get("steps_lost")))
+  if "training_s" not in where and faults:
+    where = {**where, **_split_from_faults(faults, lost, steps, iteration_s, startup, wall)}
+    notes.append("measured split worked out from the per-fault times as fault_drill does (the "
+                 "record has no where_time_went)" + ("" if startup is not None else
+                                                     "; its other_s holds the start-up"))
   reference, source = _number(figures.get("reference_wall_s")), "this record"
   if reference is None and records:
     reference, source = _borrow_reference(path, record, records)
@@ -290,6 +309,26 @@ def read_all(pattern: str) -> list:
     except (ValueError, KeyError, TypeError) as e:
       errors.append((p, str(e)))
   return cases, sorted(errors)
+
+
+def missing_inputs(case: DrillCase) -> tuple:
+  """What the replay of `case` had to do without, in words: the measurements whose absence puts
+  a run's non-fault time on an estimate (a reference run's, or none)."""
+  missing = []
+  if not case.own_residual:
+    missing.append("its own evaluations and step times (where_time_went.other_split)")
+  if not case.measured_breakdown:
+    missing.append("its measured split of wall time (where_time_went)")
+  if any(n.startswith("start-up time not recorded") for n in case.notes):
+    missing.append("its start-up time")
+  if not case.own_residual and case.reference_wall_s is not None and case.startup_s:
+    missing.append("the reference run's start-up time (the start-up it had beyond this run's, "
+                   "e.g. a cold compilation cache, lands in the residual)")
+  if case.reference_wall_s is None:
+    missing.append("a fault-free reference run")
+  elif case.reference_from != "this record":
+    missing.append(f"a reference run of its own (lent by {case.reference_from})")
+  return tuple(missing)
 
 
 def job_for(case: DrillCase, overhead_per_iteration_s: float = 0.0) -> Job:
