@@ -1,31 +1,33 @@
-"""Replaying our own fault drills: read a results/fault_drill-*.json record, feed the simulator
-its schedule of faults and its measured costs, and predict its effective training time rate.
+"""Replaying our own fault drills: read a results/fault_drill-*.json record, feed the simulator its
+schedule of faults and its measured costs, and predict its effective training time rate.
 
 What the simulator is given, all measured in the record: the fault-free iteration time; the
 checkpoint cadence, the stall of the first save after a start and the mean stall of the others
-(a mean, since the simulator adds them up), the background write time; the start-up time; for each fault, the step it struck (from its
-injection spec), its detection latency, its self-check time and its restart time (detection to
-the end of the first new step, less the self-check and that step). A fault the driver injects
-from outside fires on the step a heartbeat reported, seconds late: it is placed at the step
-logged last before its restart (restore step + steps lost) and, where that restart lost
-nothing, after the save in flight was written; a corrupt_checkpoint fault makes the newest
-written checkpoint unusable. What it predicts: which checkpoint each restart falls back to (so
-the replayed steps), how many saves run (replays save again), and the wall time and its split.
-Time the record does not itemise as fault costs is, where the run measured it itself
-(where_time_went.other_split: evaluations, and its steps' time over the fed iteration time,
-which is negative when they ran faster than the reference's; measured once per step, so it is
-charged to the replayed runs of a step too), taken from there; otherwise from
-the fault-free reference run (evaluations, logging, slower steps, shutdown): its wall time
-minus the simulated fault-free run, per step. When a record lacks the reference's wall time, a
-record measured against the same reference run (same reference workdir and iteration time)
-lends it; without a reference, records measuring evaluations directly (a 'where_time_went' key
-naming them) use those. Faults that slow the job rather than stop it (contend) and faults found
-only by a later self-check (bad_slot) have no restart of their own: they are listed as unplaced.
+(a mean, since the simulator adds them up), the background write time; the start-up time; for
+each fault, the step it struck (from its injection spec), its detection latency, its self-check
+time and its restart time (detection to the end of the first new step, less the self-check and
+that step). A fault the driver injects from outside fires on the step a heartbeat reported,
+seconds late: it is placed at the step logged last before its restart (restore step + steps
+lost) and, where that restart lost nothing, after the save in flight was written; a
+corrupt_checkpoint fault makes the newest written checkpoint unusable. What it predicts: which
+checkpoint each restart falls back to (so the replayed steps), how many saves run (replays save
+again), and the wall time and its split. Time the record does not itemise as fault costs is,
+where the run measured it itself (where_time_went.other_split: evaluations, and its steps' time
+over the fed iteration time, which is negative when they ran faster than the reference's;
+measured once per step, so it is charged to the replayed runs of a step too), taken from there;
+otherwise from the fault-free reference run (evaluations, logging, slower steps, shutdown, and
+any start-up it had beyond this run's, e.g. a cold compilation cache): its wall time minus the
+simulated fault-free run, per step. When a record lacks the reference's wall
+time, a record measured against the same reference run (same reference workdir and iteration
+time) lends it; without a reference, records measuring evaluations directly (a 'where_time_went'
+key naming them) use those. Faults that slow the job rather than stop it (contend) and faults
+found only by a later self-check (bad_slot) have no restart of their own: they are listed as
+unplaced.
 
-The reader is tolerant: fields it does not know are ignored, missing optional ones fall back
-as documented in `read_case`, a fault it cannot place or cost is listed in `DrillCase.unplaced`
-with the reason, never guessed; a record missing what the replay needs raises ConfigError
-naming the file and the field.
+The reader is tolerant: fields it does not know are ignored, missing optional ones fall back as
+documented in `read_case`, a fault it cannot place or cost is listed in `DrillCase.unplaced`
+with the reason, never guessed; a record missing what the replay needs raises ConfigError naming
+the file and the field.
 """
 import dataclasses
 import glob
@@ -229,8 +231,8 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
   every, every_from = _checkpoint_every(record, figures, saves)
   if every is None:
     raise ConfigError(f"{path}: figures.checkpoint_every", figures.get("checkpoint_every"),
-                      "the checkpoint cadence, there, in the command's --checkpoint_every or "
-                      "from the spacing of figures.checkpoint_saves: none is recorded")
+                      "the checkpoint cadence, recorded there, as the command's "
+                      "--checkpoint_every or by the spacing of figures.checkpoint_saves")
   stalls = [float(s["stall_s"]) for s in saves if _number(s.get("stall_s")) is not None]
   writes = [float(s["write_s"]) for s in saves if _number(s.get("write_s")) is not None]
   notes = [f"checkpoint every {every} steps ({every_from})"]
@@ -399,7 +401,10 @@ def predict(case: DrillCase) -> Prediction:
     residual, source = reference, f"fault-free reference run ({case.reference_from})"
   elif case.evaluation_s is not None:
     residual, source = case.evaluation_s / ran, "evaluations measured in this run"
-  run = lambda r: simulate(job_for(case, r), iterations=case.steps, faults=case.faults)  # noqa
+
+  def run(per_iteration_s):
+    return simulate(job_for(case, per_iteration_s), iterations=case.steps, faults=case.faults)
+
   out = events if residual is None else run(residual)
   return Prediction(
       case, events.rate, out.rate, residual, source, _drill_breakdown(out, case.iteration_s),
