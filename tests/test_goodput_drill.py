@@ -113,6 +113,22 @@ def test_measured_evaluations_or_a_sibling_reference_run_supply_the_residual(tmp
   assert drill.predict(by_path[without]).residual_per_step_s == pytest.approx((40 - 33.2) / 60)
 
 
+def test_a_reference_start_up_beyond_the_runs_own_is_taken_out_of_the_residual(tmp_path):
+  # The reference started cold (5 s), the faulty run warm (2 s): the 3 s are the reference's
+  # start-up, not time the faulty run spends per step.
+  def case(name, **reference):
+    return drill.read_case(_record(
+        tmp_path, name, _figures(reference_wall_s=45.0, where_time_went={"startup_s": 2.0},
+                                 **reference), command="--checkpoint_every=5"))
+  plain, cold = case("t"), case("u", reference_where_time_went={"startup_s": 5.0})
+  assert (plain.reference_startup_s, cold.reference_startup_s) == (None, 5.0)
+  assert any("reference run's start-up" in m for m in drill.missing_inputs(plain))
+  assert not any("reference run's start-up" in m for m in drill.missing_inputs(cold))
+  # Fault-free: 2 s start-up + 33.2 s (above) = 35.2 s simulated; 45 s measured.
+  assert drill.predict(plain).residual_per_step_s == pytest.approx((45 - 35.2) / 60)
+  assert drill.predict(cold).residual_per_step_s == pytest.approx((45 - 3 - 35.2) / 60)
+
+
 def test_records_the_reader_cannot_use_are_reported_not_guessed(tmp_path):
   bad = _figures()
   del bad["iteration_s"]

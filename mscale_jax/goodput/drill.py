@@ -68,6 +68,7 @@ class DrillCase:
   notes: tuple = ()
   specs: tuple = ()             # the injection spec of each placed fault
   measured_other_split: dict = dataclasses.field(default_factory=dict)  # other_s itemised
+  reference_startup_s: float | None = None   # the reference run's own start-up, if recorded
 
   @property
   def own_residual(self) -> bool:
@@ -268,6 +269,8 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
   split = {k: float(v) for k, v in split.items() if _number(v) is not None}
   evaluation = _number(split.get("evaluation_s"),
                        *[v for k, v in where.items() if "eval" in k.lower()])
+  ref_where = figures.get("reference_where_time_went")
+  ref_where = ref_where if isinstance(ref_where, dict) else {}
   rate = _number(figures.get("effective_training_time_rate"))
   if rate is None:
     rate = steps * iteration_s / wall
@@ -280,7 +283,8 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
       measured_rate=rate, measured_wall_s=wall, measured_breakdown=where,
       reference_wall_s=reference, reference_from=source, evaluation_s=evaluation,
       own_steps_slower_s=split.get("steps_slower_than_steady_s"),
-      notes=tuple(notes), specs=tuple(specs), measured_other_split=split)
+      notes=tuple(notes), specs=tuple(specs), measured_other_split=split,
+      reference_startup_s=_number(ref_where.get("startup_s"), figures.get("reference_startup_s")))
 
 
 def _borrow_reference(path: str, record: dict, records: dict) -> tuple:
@@ -323,7 +327,8 @@ def missing_inputs(case: DrillCase) -> tuple:
     missing.append("its measured split of wall time (where_time_went)")
   if any(n.startswith("start-up time not recorded") for n in case.notes):
     missing.append("its start-up time")
-  if not case.own_residual and case.reference_wall_s is not None and case.startup_s:
+  if not case.own_residual and case.reference_wall_s is not None and case.startup_s \
+      and case.reference_startup_s is None:
     missing.append("the reference run's start-up time (the start-up it had beyond this run's, "
                    "e.g. a cold compilation cache, lands in the residual)")
   if case.reference_wall_s is None:
@@ -378,11 +383,15 @@ def _drill_breakdown(out, iteration_s: float) -> dict:
 
 def _reference_residual(case: DrillCase) -> float | None:
   """Per step: the fault-free reference run's wall time less its simulation (evaluations,
-  logging, slower steps, shutdown, and any start-up it had beyond this run's), or None."""
+  logging, slower steps, shutdown), or None. The simulation starts up as this run did; where the
+  reference's own start-up is recorded, the difference (e.g. a cold compilation cache against a
+  warm one) is taken out, else it stays in the residual."""
   if case.reference_wall_s is None:
     return None
   fault_free = simulate(job_for(case), iterations=case.steps).wall_s
-  return max(0.0, case.reference_wall_s - fault_free) / case.steps
+  extra_startup = 0.0 if case.reference_startup_s is None \
+      else case.reference_startup_s - case.startup_s
+  return max(0.0, case.reference_wall_s - extra_startup - fault_free) / case.steps
 
 
 def predict(case: DrillCase) -> Prediction:
