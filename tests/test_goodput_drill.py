@@ -204,6 +204,15 @@ def test_a_run_that_itemises_its_own_residual_is_fed_it_not_the_reference_runs(t
   assert pred.other_split["residual_s"] == pytest.approx(fed)
   assert pred.rate == pytest.approx(30 / (48.8 + fed))    # the events alone: 48.8 s (above)
   assert pred.rate_from_reference is not None and pred.rate_from_reference != pred.rate
+  # A newer record also times each restart's first new step (here 2 restarts, 1.6 s in all):
+  # restart_s holds them whole, so only the other 58 steps set the per-step excess.
+  split["of_which"] = {"first_new_steps_in_restart_s": 1.6, "slowdown_in_steps_slower_s": 1.0}
+  timed = drill.read_case(_record(
+      tmp_path, "m2", _figures(where_time_went={"other_split": split}),
+      command="--checkpoint_every=5"))
+  assert timed.first_new_steps_s == 1.6
+  assert drill.predict(timed).residual_per_step_s == pytest.approx(
+      3.0 / 65 + (-8.0 - (1.6 - 2 * 0.5)) / 58)
   too_fast = dataclasses.replace(drill.job_for(case), overhead_per_iteration_s=-0.5)
   with pytest.raises(ConfigError, match="overhead_per_iteration_s"):
     simulate.simulate(too_fast, iterations=10)

@@ -69,6 +69,7 @@ class DrillCase:
   specs: tuple = ()             # the injection spec of each placed fault
   measured_other_split: dict = dataclasses.field(default_factory=dict)  # other_s itemised
   reference_startup_s: float | None = None   # the reference run's own start-up, if recorded
+  first_new_steps_s: float | None = None  # restarts' first new steps (in restart_s), if recorded
 
   @property
   def own_residual(self) -> bool:
@@ -266,6 +267,7 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
   if reference is None and records:
     reference, source = _borrow_reference(path, record, records)
   split = where_raw.get("other_split") if isinstance(where_raw.get("other_split"), dict) else {}
+  of_which = split.get("of_which") if isinstance(split.get("of_which"), dict) else {}
   split = {k: float(v) for k, v in split.items() if _number(v) is not None}
   evaluation = _number(split.get("evaluation_s"),
                        *[v for k, v in where.items() if "eval" in k.lower()])
@@ -284,7 +286,8 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
       reference_wall_s=reference, reference_from=source, evaluation_s=evaluation,
       own_steps_slower_s=split.get("steps_slower_than_steady_s"),
       notes=tuple(notes), specs=tuple(specs), measured_other_split=split,
-      reference_startup_s=_number(ref_where.get("startup_s"), figures.get("reference_startup_s")))
+      reference_startup_s=_number(ref_where.get("startup_s"), figures.get("reference_startup_s")),
+      first_new_steps_s=_number(of_which.get("first_new_steps_in_restart_s")))
 
 
 def _borrow_reference(path: str, record: dict, records: dict) -> tuple:
@@ -394,17 +397,28 @@ def _reference_residual(case: DrillCase) -> float | None:
   return max(0.0, case.reference_wall_s - extra_startup - fault_free) / case.steps
 
 
+def _steady_excess_per_step(case: DrillCase) -> float:
+  """The run's step time over the fed iteration time, per step (each step timed once, its last
+  run). Where the record times the restarts' first new steps, their excess is left out: their
+  whole time is in the fed restart time already."""
+  excess, steps = case.own_steps_slower_s, case.steps
+  if case.first_new_steps_s is not None and case.faults:
+    excess -= case.first_new_steps_s - len(case.faults) * case.iteration_s
+    steps -= len(case.faults)
+  return excess / steps
+
+
 def predict(case: DrillCase) -> Prediction:
   """Replays `case`: events only, then with a residual per iteration run, in order of
   preference: the run's own (its evaluations spread over the iterations it ran, its steps'
-  time over the fed iteration time per step, replays included); the fault-free reference run's;
-  the evaluations it measured."""
+  time over the fed iteration time per step, replays included: `_steady_excess_per_step`); the
+  fault-free reference run's; the evaluations it measured."""
   events = simulate(job_for(case), iterations=case.steps, faults=case.faults)
   ran = case.steps + sum(r.lost_iterations for r in events.recoveries)
   reference = _reference_residual(case)
   residual, source = None, "none: the record has no fault-free reference and no evaluations"
   if case.own_residual:    # this run's own, not a reference run's on another load
-    residual = case.evaluation_s / ran + case.own_steps_slower_s / case.steps
+    residual = case.evaluation_s / ran + _steady_excess_per_step(case)
     source = "this run's evaluations and step times"
   elif reference is not None:
     residual, source = reference, f"fault-free reference run ({case.reference_from})"
