@@ -202,7 +202,11 @@ def test_a_run_that_itemises_its_own_residual_is_fed_it_not_the_reference_runs(t
   assert pred.residual_per_step_s == pytest.approx(3.0 / 65 - 8.0 / 60)
   fed = 3.0 - 8.0 * 65 / 60
   assert pred.other_split["residual_s"] == pytest.approx(fed)
-  assert pred.rate == pytest.approx(30 / (48.8 + fed))    # the events alone: 48.8 s (above)
+  # The stalls of every save were timed (2.0 s in all): fed as their mean over the 12 simulated
+  # saves (5..60), not the listed saves' (the last start's only; 4.8 s in the events above).
+  assert pred.other_split["checkpoint_stall_s"] == pytest.approx(2.0)
+  assert pred.case.stall_s == pytest.approx(2.0 / 12) and pred.case.first_stall_s is None
+  assert pred.rate == pytest.approx(30 / (48.8 - 4.8 + 2.0 + fed))
   assert pred.rate_from_reference is not None and pred.rate_from_reference != pred.rate
   # A newer record also times each restart's first new step (here 2 restarts, 1.6 s in all):
   # restart_s holds them whole, so only the other 58 steps set the per-step excess.

@@ -408,11 +408,26 @@ def _steady_excess_per_step(case: DrillCase) -> float:
   return excess / steps
 
 
+def _stalls_from_timeline(case: DrillCase) -> DrillCase:
+  """`case` fed the mean stall of every save where the record measured their total (rank 0's
+  timeline, every attempt: other_split.checkpoint_stall_s): the saves it lists are the last
+  start's only, a biased sample when the machine's load changed during the run. The number of
+  saves is the simulated one (replays save again)."""
+  total = case.measured_other_split.get("checkpoint_stall_s")
+  if total is None:
+    return case
+  unit = dataclasses.replace(case, stall_s=1.0, first_stall_s=None)
+  saves = simulate(job_for(unit), iterations=case.steps, faults=case.faults).breakdown[
+      "checkpoint"]
+  return dataclasses.replace(unit, stall_s=total / saves) if saves > 0 else case
+
+
 def predict(case: DrillCase) -> Prediction:
   """Replays `case`: events only, then with a residual per iteration run, in order of
   preference: the run's own (its evaluations spread over the iterations it ran, its steps'
   time over the fed iteration time per step, replays included: `_steady_excess_per_step`); the
   fault-free reference run's; the evaluations it measured."""
+  case = _stalls_from_timeline(case)
   events = simulate(job_for(case), iterations=case.steps, faults=case.faults)
   ran = case.steps + sum(r.lost_iterations for r in events.recoveries)
   reference = _reference_residual(case)
