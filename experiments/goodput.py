@@ -53,6 +53,10 @@ def pct(x: float) -> str:
 
 
 # -- drill ----------------------------------------------------------------------------------------
+def _seconds(x) -> str:
+  return "-" if x is None else f"{x:.1f}"
+
+
 def drill_section(pattern: str) -> tuple:
   """Replays every drill record; returns (markdown, figures, predictions)."""
   cases, errors = drill.read_all(pattern)
@@ -60,49 +64,66 @@ def drill_section(pattern: str) -> tuple:
   lines = ["## Validation: our fault drills replayed", "",
            "Fed each drill's fault schedule and measured costs (see `mscale_jax/goodput/drill.py`"
            "), the simulator predicts the drill's effective training time rate. 'events only' "
-           "uses the itemised costs alone; the prediction adds a residual time per step: the "
-           "run's own evaluations and step time over the fed iteration time where the record "
-           "measures them (newer records), else the fault-free reference run's wall time less "
-           "its simulation (evaluations, logging, slower steps, shutdown).", "",
-           "| record | faults | measured | events only | predicted | difference (points) | "
-           "steps lost: predicted / recorded | residual from |",
-           "|---|---|---|---|---|---|---|---|"]
+           "uses the itemised costs alone; the prediction adds a residual time per iteration "
+           "run: the run's own evaluations and step time over the fed iteration time where the "
+           "record measures them (newer records), else the fault-free reference run's wall "
+           "time less its simulation (evaluations, logging, slower steps, shutdown, and any "
+           "start-up the reference had beyond this run's). 'with the reference' is the "
+           "prediction with the reference run's residual, for every record that has one.", "",
+           "| record | faults | measured | events only | with the reference | predicted | "
+           "difference (points) | steps lost: predicted / recorded | residual from |",
+           "|---|---|---|---|---|---|---|---|---|"]
   figures = []
   for p in preds:
     c = p.case
     lost = ", ".join(f"{a:g}/{'?' if b is None else f'{b:g}'}"
                      for a, b in zip(p.lost, c.recorded_lost))
     name = os.path.basename(c.path)
+    ref = "-" if p.rate_from_reference is None else pct(p.rate_from_reference)
     lines.append(f"| [{name}](../{name}) | {len(c.faults)} | {pct(c.measured_rate)} | "
-                 f"{pct(p.rate_events_only)} | {pct(p.rate)} | {p.difference_points:+.2f} | "
-                 f"{lost} | {p.residual_from} |")
+                 f"{pct(p.rate_events_only)} | {ref} | {pct(p.rate)} | "
+                 f"{p.difference_points:+.2f} | {lost} | {p.residual_from} |")
     figures.append({"record": name, "measured_rate": c.measured_rate,
                     "predicted_rate": p.rate, "events_only_rate": p.rate_events_only,
+                    "rate_with_reference_residual": p.rate_from_reference,
                     "difference_points": p.difference_points,
                     "residual_per_step_s": p.residual_per_step_s,
                     "residual_from": p.residual_from, "predicted_breakdown_s": p.breakdown,
+                    "predicted_other_split_s": p.other_split,
+                    "residual_needed_s": p.residual_needed_s,
                     "measured_breakdown_s": c.measured_breakdown,
+                    "measured_other_split_s": c.measured_other_split,
                     "predicted_steps_lost": list(p.lost),
                     "recorded_steps_lost": list(c.recorded_lost),
+                    "missing_inputs": list(drill.missing_inputs(c)),
                     "unplaced_faults": [list(u) for u in c.unplaced], "notes": list(c.notes)})
   within = sum(abs(p.difference_points) <= 2.0 for p in preds)
   lines += ["", f"Within 2 points: {within} of {len(preds)} records."]
   for p in preds:
+    name = os.path.basename(p.case.path)
     if p.case.unplaced:
-      lines.append(f"- {os.path.basename(p.case.path)}: not simulated: " + "; ".join(
+      lines.append(f"- {name}: not simulated: " + "; ".join(
           f"{d} ({why})" for d, why in p.case.unplaced))
+    if drill.missing_inputs(p.case):
+      lines.append(f"- {name}: does not record " + "; ".join(drill.missing_inputs(p.case)))
   for path, err in errors:
     lines.append(f"- {os.path.basename(path)}: not read: {err}")
-  with_split = [p for p in preds if p.case.measured_breakdown]
-  if with_split:
-    lines += ["", "Breakdown, seconds (measured / predicted; detection, restart and start-up "
-              "are fed, replay and 'other' are predicted):", "",
-              "| record | " + " | ".join(drill.DRILL_KEYS) + " |",
-              "|---|" + "---|" * len(drill.DRILL_KEYS)]
-    for p in with_split:
-      cells = [f"{p.case.measured_breakdown.get(k, float('nan')):.1f} / {p.breakdown[k]:.1f}"
-               for k in drill.DRILL_KEYS]
-      lines.append(f"| {os.path.basename(p.case.path)} | " + " | ".join(cells) + " |")
+  lines += ["", "Breakdown, seconds, measured / predicted (detection, restart and start-up are "
+            "fed; training, replay and checkpoint stalls are predicted; '-': not recorded). "
+            "'other' = checkpoint stalls + the residual; 'residual fed / needed': the residual "
+            "the prediction was given, and the one that would have matched the measured wall "
+            "(measured wall less the events-only simulation), so their difference is the "
+            "prediction's whole error in seconds:", "",
+            "| record | " + " | ".join(drill.DRILL_KEYS) + " | checkpoint stalls | "
+            "residual fed / needed |",
+            "|---|" + "---|" * (len(drill.DRILL_KEYS) + 2)]
+  for p in preds:
+    m = p.case.measured_breakdown
+    cells = [f"{_seconds(m.get(k))} / {p.breakdown[k]:.1f}" for k in drill.DRILL_KEYS]
+    cells.append(f"{_seconds(p.case.measured_other_split.get('checkpoint_stall_s'))} / "
+                 f"{p.other_split['checkpoint_stall_s']:.1f}")
+    cells.append(f"{p.other_split['residual_s']:.1f} / {p.residual_needed_s:.1f}")
+    lines.append(f"| {os.path.basename(p.case.path)[-20:-5]} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n", {"records": figures, "within_2_points": within,
                                    "unread": errors}, preds
 

@@ -31,7 +31,7 @@ def test_every_committed_drill_record_is_replayed_and_falls_back_where_the_drill
       if key in case.measured_breakdown:
         assert pred.breakdown[key] == pytest.approx(case.measured_breakdown[key], rel=1e-6), key
     assert 0 < pred.rate < 1 and 0 < pred.rate_events_only < 1
-    if case.own_residual_s is not None:   # fed its own measured residual: the issue's target
+    if case.own_residual:   # fed its own measured residual: the issue's target
       assert abs(pred.difference_points) <= 2.0, case.path
 
 
@@ -76,6 +76,11 @@ def test_the_reader_takes_other_field_names_and_new_fault_kinds(tmp_path):
       ("bad_slot:slot=1:step=9", "found by the self-check of kill:rank=1:step=13's restart: its "
                                  "cost is in that restart"))
   assert case.reference_wall_s is None and case.startup_s == 0.0
+  # No where_time_went: the measured split is worked out from the per-fault times as the drill
+  # does (restart: self-check + restart + the first new step), start-up left in other_s.
+  assert case.measured_breakdown == pytest.approx(
+      {"training_s": 30.0, "detection_s": 6.5, "restart_s": 3.5 + 2.5, "replayed_steps_s": 2.5,
+       "other_s": 50.0 - 30.0 - 6.5 - 6.0 - 2.5})
   pred = drill.predict(case)
   assert pred.lost == (2, 3) and pred.residual_per_step_s is None
   # By hand: 65 iterations run (60 + 2 + 3 replayed) at 0.5 s; saves at 5..60 stalling 1.0 s
@@ -106,6 +111,22 @@ def test_measured_evaluations_or_a_sibling_reference_run_supply_the_residual(tmp
   assert by_path[other].reference_wall_s is None      # another reference run: nothing lent
   # The fault-free run simulated: 60 x 0.5 s + saves (1.0 + 11 x 0.2 s) = 33.2 s; 40 s measured.
   assert drill.predict(by_path[without]).residual_per_step_s == pytest.approx((40 - 33.2) / 60)
+
+
+def test_a_reference_start_up_beyond_the_runs_own_is_taken_out_of_the_residual(tmp_path):
+  # The reference started cold (5 s), the faulty run warm (2 s): the 3 s are the reference's
+  # start-up, not time the faulty run spends per step.
+  def case(name, **reference):
+    return drill.read_case(_record(
+        tmp_path, name, _figures(reference_wall_s=45.0, where_time_went={"startup_s": 2.0},
+                                 **reference), command="--checkpoint_every=5"))
+  plain, cold = case("t"), case("u", reference_where_time_went={"startup_s": 5.0})
+  assert (plain.reference_startup_s, cold.reference_startup_s) == (None, 5.0)
+  assert any("reference run's start-up" in m for m in drill.missing_inputs(plain))
+  assert not any("reference run's start-up" in m for m in drill.missing_inputs(cold))
+  # Fault-free: 2 s start-up + 33.2 s (above) = 35.2 s simulated; 45 s measured.
+  assert drill.predict(plain).residual_per_step_s == pytest.approx((45 - 35.2) / 60)
+  assert drill.predict(cold).residual_per_step_s == pytest.approx((45 - 3 - 35.2) / 60)
 
 
 def test_records_the_reader_cannot_use_are_reported_not_guessed(tmp_path):
@@ -169,16 +190,82 @@ def test_a_run_that_itemises_its_own_residual_is_fed_it_not_the_reference_runs(t
   case = drill.read_case(_record(
       tmp_path, "m", _figures(reference_wall_s=40.0, where_time_went={"other_split": split}),
       command="--checkpoint_every=5"))
-  assert case.own_residual_s == pytest.approx(-5.0)
+  assert (case.evaluation_s, case.own_steps_slower_s) == (3.0, -8.0) and case.own_residual
   contend = drill.read_case(_record(tmp_path, "n", _figures(faults=[
       {"injected": "contend:rank=1:step=30:seconds=30.0", "kind": "not flagged",
        "detected": False, "phases": {"slowdown_s": 1.0}}]), command="--checkpoint_every=5"))
   assert contend.faults == () and "slowdown is in the run's step times" in contend.unplaced[0][1]
   pred = drill.predict(case)
   assert pred.residual_from.startswith("this run")
-  # 65 iterations run (2 + 3 replayed); the events alone take 48.8 s (see the test above).
-  assert pred.residual_per_step_s == pytest.approx(-5.0 / 65)
-  assert pred.rate == pytest.approx(30 / (48.8 - 5.0))
+  # 65 iterations run (2 + 3 replayed). The evaluations (every attempt) are spread over them;
+  # the steps' time was measured once per step (60), and a replayed step ran at that pace too.
+  assert pred.residual_per_step_s == pytest.approx(3.0 / 65 - 8.0 / 60)
+  fed = 3.0 - 8.0 * 65 / 60
+  assert pred.other_split["residual_s"] == pytest.approx(fed)
+  # The stalls of every save were timed (2.0 s in all): fed as their mean over the 12 simulated
+  # saves (5..60), not the listed saves' (the last start's only; 4.8 s in the events above).
+  assert pred.other_split["checkpoint_stall_s"] == pytest.approx(2.0)
+  assert pred.case.stall_s == pytest.approx(2.0 / 12) and pred.case.first_stall_s is None
+  assert pred.rate == pytest.approx(30 / (48.8 - 4.8 + 2.0 + fed))
+  assert pred.rate_from_reference is not None and pred.rate_from_reference != pred.rate
+  # A newer record also times each restart's first new step (here 2 restarts, 1.6 s in all):
+  # restart_s holds them whole, so only the other 58 steps set the per-step excess.
+  split["of_which"] = {"first_new_steps_in_restart_s": 1.6, "slowdown_in_steps_slower_s": 1.0}
+  timed = drill.read_case(_record(
+      tmp_path, "m2", _figures(where_time_went={"other_split": split}),
+      command="--checkpoint_every=5"))
+  assert timed.first_new_steps_s == 1.6
+  assert drill.predict(timed).residual_per_step_s == pytest.approx(
+      3.0 / 65 + (-8.0 - (1.6 - 2 * 0.5)) / 58)
   too_fast = dataclasses.replace(drill.job_for(case), overhead_per_iteration_s=-0.5)
   with pytest.raises(ConfigError, match="overhead_per_iteration_s"):
     simulate.simulate(too_fast, iterations=10)
+
+
+def test_the_steady_stall_is_the_mean_of_the_saves_after_the_first(tmp_path):
+  # The simulator adds stalls up, so it is fed their mean; a median (0.1 s here) would lose
+  # the long ones. The first save after a start is the start's (2.0 s).
+  saves = [{"step": s, "stall_s": x, "write_s": 0.1}
+           for s, x in ((35, 2.0), (40, 0.1), (45, 0.1), (50, 0.7))]
+  case = drill.read_case(_record(tmp_path, "p", _figures(checkpoint_saves=saves, faults=[]),
+                                 command="--checkpoint_every=5"))
+  assert (case.first_stall_s, case.stall_s) == (2.0, pytest.approx(0.3))
+  pred = drill.predict(case)
+  # No faults: one start, 12 saves (5..60): the first 2.0 s, 11 at 0.3 s.
+  assert pred.other_split["checkpoint_stall_s"] == pytest.approx(2.0 + 11 * 0.3)
+  assert pred.breakdown["other_s"] == pytest.approx(2.0 + 11 * 0.3)
+  # The residual that would have matched: the measured wall less the simulated one.
+  assert pred.residual_needed_s == pytest.approx(50.0 - (60 * 0.5 + 2.0 + 11 * 0.3))
+
+
+def test_a_record_missing_what_the_replay_needs_is_named_by_file_and_field(tmp_path):
+  figures = _figures()
+  del figures["wall_s"]
+  path = _record(tmp_path, "q", figures, command="--checkpoint_every=5")
+  with pytest.raises(ConfigError, match=r"fault_drill-q\.json: figures\.wall_s=None"):
+    drill.read_case(path)
+  (tmp_path / "fault_drill-r.json").write_text('{"figures": {"steps": ')   # cut off mid-write
+  cases, errors = drill.read_all(str(tmp_path / "fault_drill-[qr].json"))
+  assert cases == [] and [os.path.basename(p) for p, _ in errors] == \
+      ["fault_drill-q.json", "fault_drill-r.json"]
+  assert "figures.wall_s" in errors[0][1] and "fault_drill-r.json" in errors[1][1]
+
+
+def test_new_optional_fields_are_read_past_and_a_missing_rate_is_worked_out(tmp_path):
+  # A later drill may add fields (an adaptive hang limit, its launcher runs, odd entries);
+  # the replay needs none of them.
+  figures = _figures(hang_limit={"adaptive": True, "floor_s": 60.0},
+                     launcher_runs=[{"status": 0, "wall_s": None}],
+                     where_time_went={"startup_s": 2.0, "other_split": {"new_part_s": 1.0},
+                                      "sources": "text"})
+  del figures["effective_training_time_rate"]
+  figures["faults"] = figures["faults"] + ["not a fault", {"injected": "hang:rank=0:step=50",
+                                                          "hang_limit_s": 12.5}]
+  figures["checkpoint_saves"] = figures["checkpoint_saves"] + [None]
+  case = drill.read_case(_record(tmp_path, "s", figures, command=None,
+                                 launcher={"note": "new"}))
+  assert case.checkpoint_every == 5       # from the spacing of the saves (35, 40)
+  assert case.measured_rate == pytest.approx(60 * 0.5 / 50.0)
+  assert len(case.faults) == 2 and case.startup_s == 2.0 and not case.own_residual
+  assert case.unplaced[-1][0] == "hang:rank=0:step=50"
+  assert 0 < drill.predict(case).rate < 1
