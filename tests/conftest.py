@@ -1,26 +1,21 @@
 """Every test sees 8 simulated CPU devices: enough for any data x fsdp x stage x tensor layout.
 
-Test shapes are tiny, so compilation dominates: XLA:CPU compiles without its expensive LLVM
-optimisations (which halves the suite's time) and with its classic fusion emitters (which cuts
-the rest by a third), changing no result beyond float rounding, and
-each pytest process keeps a fresh persistent compilation cache, so that a program several
-tests build (the same tiny trainer, say) compiles once per process.
+Test shapes are tiny, so compilation dominates: XLA:CPU compiles with experiments/job.py's
+FAST_XLA (no expensive LLVM passes, the classic fusion emitters; the multi-process jobs' workers
+get the same), which cuts compile times by about two thirds and changes no result beyond float
+rounding, and each pytest process keeps a fresh persistent compilation cache, so that a program
+several tests build (the same tiny trainer, say) compiles once per process.
 """
 import atexit
-import importlib.metadata
 import os
 import shutil
 import tempfile
 
-_FAST_COMPILE = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-                 " --xla_llvm_disable_expensive_passes=true")
-if importlib.metadata.version("jaxlib").startswith("0.10."):
-  # XLA:CPU's classic fusion emitters, not its MLIR ones: they compile the suite's programs in
-  # about half the time. Only on the jaxlib this was measured on: XLA aborts the process on a
-  # flag in XLA_FLAGS it does not know.
-  _FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
-if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+from experiments.job import FAST_XLA
+
+_FLAGS = f"--xla_force_host_platform_device_count=8 {FAST_XLA}"
+if _FLAGS not in os.environ.get("XLA_FLAGS", ""):     # xdist's workers inherit the controller's
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAGS}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 if os.environ.get("MSCALE_TEST_CACHE_OF", _WORKER) != _WORKER or \
