@@ -29,14 +29,17 @@ if os.environ.get("MSCALE_TEST_CACHE_OF", _WORKER) != _WORKER or \
 
 import pytest  # noqa: E402
 
-# Test files that take longest (seconds of one worker in a full run), run first: with two
-# workers taking whole files in this order, neither is left alone with a long file at the end.
-SLOWEST_FIRST = ("test_slurm", "test_multiprocess", "test_hostile_input", "test_notebooks",
-                 "test_pipeline", "test_flash_attention", "test_model", "test_tp_comm",
-                 "test_collective_matmul", "test_lamb", "test_optim", "test_sample",
-                 "test_convergence", "test_observability", "test_kernel_wiring", "test_cli",
-                 "test_train", "test_generate", "test_layer_norm", "test_callbacks",
-                 "test_resilience", "test_driver_policy", "test_layers", "test_standby")
+# Test files that take longest in a full run, run first: with two workers taking whole files in
+# this order, neither is left alone with a long file at the end. test_slurm mostly waits on
+# Slurm; the others in order of CPU-seconds (fast and slow tests, their subprocesses included).
+SLOWEST_FIRST = ("test_slurm", "test_pipeline", "test_multiprocess", "test_os_faults_multiprocess",
+                 "test_notebooks", "test_hostile_input", "test_sdp4bit_train", "test_tp_comm",
+                 "test_flash_attention", "test_collective_matmul", "test_observability",
+                 "test_model", "test_convergence", "test_cli", "test_train", "test_prepared_data",
+                 "test_pipeline_eval", "test_sdp4bit", "test_sample", "test_optim", "test_lamb",
+                 "test_kernel_wiring", "test_resilience", "test_driver_policy", "test_callbacks",
+                 "test_perf_intervals", "test_generate", "test_perf_plan", "test_minder",
+                 "test_layer_norm", "test_schedule")
 
 
 def pytest_collection_modifyitems(items):
