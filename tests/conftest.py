@@ -1,7 +1,7 @@
 """Every test sees 8 simulated CPU devices: enough for any data x fsdp x stage x tensor layout.
 
 Test shapes are tiny, so compilation dominates: XLA:CPU compiles with experiments/job.py's
-FAST_XLA (no expensive LLVM passes, the classic fusion emitters; the multi-process jobs' workers
+TEST_XLA (no expensive LLVM passes, the classic fusion emitters; the multi-process jobs' workers
 get the same), which cuts compile times by about two thirds and changes no result beyond float
 rounding, and each pytest process keeps a fresh persistent compilation cache, so that a program
 several tests build (the same tiny trainer, say) compiles once per process.
@@ -11,9 +11,9 @@ import os
 import shutil
 import tempfile
 
-from experiments.job import FAST_XLA
+from experiments.job import TEST_XLA
 
-_FLAGS = f"--xla_force_host_platform_device_count=8 {FAST_XLA}"
+_FLAGS = f"--xla_force_host_platform_device_count=8 {TEST_XLA}"
 if _FLAGS not in os.environ.get("XLA_FLAGS", ""):     # xdist's workers inherit the controller's
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAGS}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
