@@ -231,7 +231,7 @@ def test_a_live_driver_shrugs_off_a_fuzz_run_and_finishes_the_job(tmp_path):
   result, sent = {}, {}
   runner = threading.Thread(target=lambda: result.update(run=job.run(
       tmp_path, ["--heartbeat_s=0.5", f"--heartbeat_port={port}", "--hang_timeout_s=60",
-                 f"--xla_flags={job.FAST_XLA}", "--nostandby"], train, timeout_s=400,
+                 f"--xla_flags={job.TEST_XLA}", "--nostandby"], train, timeout_s=400,
       env={"MSCALE_HEARTBEAT_TOKEN": TOKEN})))
   runner.start()
   deadline = time.time() + 300

@@ -21,7 +21,7 @@ TRAIN_ARGS = job.TINY_GPT + ["--config.train.steps=12", "--config.train.log_ever
 
 def launch(workdir, *flags, timeout_s=300):
   """Runs the launcher to the end: it must exit by itself and leave no process behind."""
-  result = job.run(workdir, ["--heartbeat_s=0.5", f"--xla_flags={job.FAST_XLA}", *flags],
+  result = job.run(workdir, ["--heartbeat_s=0.5", f"--xla_flags={job.TEST_XLA}", *flags],
                    TRAIN_ARGS, timeout_s=timeout_s)
   assert not result.timed_out, result.tail()
   assert not result.leftovers, f"processes left behind: {result.leftovers}\n{result.tail()}"

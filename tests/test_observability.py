@@ -243,7 +243,7 @@ def drill(tmp_path_factory):
   """One supervised run: rank 1 is 1.5x slow from the start, rank 0 hangs before step 14; no
   restart, so the run ends after the hang is localised. Every process it started is killed."""
   workdir = tmp_path_factory.mktemp("drill")
-  result = job.run(workdir, ["--heartbeat_s=0.5", f"--xla_flags={job.FAST_XLA}",
+  result = job.run(workdir, ["--heartbeat_s=0.5", f"--xla_flags={job.TEST_XLA}",
                              "--fault=slow:rank=1:factor=1.5", "--fault=hang:rank=0:step=14",
                              "--hang_timeout_s=8", "--hang_step_factor=3", "--max_restarts=0",
                              "--status_every_s=0"], TRAIN_ARGS, timeout_s=300)

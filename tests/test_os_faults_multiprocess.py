@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 TRAIN_ARGS = job.TINY_GPT + ["--config.train.steps=12", "--config.train.log_every=1",
                              "--config.train.eval_every=12", "--config.train.checkpoint_every=4",
                              "--config.optimizer.warmup_steps=1"]
-FLAGS = ["--heartbeat_s=0.5", f"--xla_flags={job.FAST_XLA}", "--hang_timeout_s=4",
+FLAGS = ["--heartbeat_s=0.5", f"--xla_flags={job.TEST_XLA}", "--hang_timeout_s=4",
          "--hang_step_factor=1", "--nostandby", "--noself_check"]
 
 

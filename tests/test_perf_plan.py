@@ -9,7 +9,8 @@ from mscale_jax.perf.hardware import A100_MEGASCALE as A100
 from mscale_jax.perf.workload import GPT_175B, validate
 
 
-@pytest.mark.parametrize("gpus,batch", [(256, 768), (1024, 768), (12288, 6144)])
+@pytest.mark.parametrize("gpus,batch", [(256, 768), (1024, 768), pytest.param(
+    12288, 6144, marks=pytest.mark.slow)])   # the largest search: the same code, 6 s
 def test_search_returns_valid_fitting_layouts(gpus, batch):
   best = search.search(GPT_175B, gpus, A100, batch, paper.MEGASCALE, top=3)
   assert best and all(p.fits for p in best)

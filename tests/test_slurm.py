@@ -67,7 +67,7 @@ def sbatch(slurm, workdir, *launch_flags, timeout_s=420, heartbeat_port=None):
        "--num_processes=2", "--devices_per_process=4", "--tasks_per_node=2",
        "--nocluster_gpus", f"--coordinator_port={free_port()}",
        f"--heartbeat_port={heartbeat_port or free_port()}", "--heartbeat_s=0.5",
-       f"--xla_flags={job.FAST_XLA}",
+       f"--xla_flags={job.TEST_XLA}",
        *launch_flags, "--", *TRAIN], cwd=job.REPO, env=dict(slurm, PYTHONPATH=job.REPO),
       capture_output=True, text=True, timeout=120)
   assert emitted.returncode == 0, emitted.stderr[-2000:]
