@@ -13,6 +13,7 @@ import sys
 
 from absl import app, flags
 
+from mscale_jax.config import DP_COMMS
 from mscale_jax.errors import ConfigError
 from mscale_jax.perf import calibrate, constants, dp_comm as dp_comms, hardware, paper, search
 from mscale_jax.perf.iteration import BREAKDOWN_KEYS
@@ -110,8 +111,9 @@ def define_flags() -> None:
   flags.DEFINE_string("calibrate", None, "kernel_bench-gemm record to calibrate on.")
   flags.DEFINE_bool("calibrate_any_device", False, "Apply --calibrate's record even when it was "
                     "measured on another accelerator than --hardware models.")
-  flags.DEFINE_enum("dp_comm", "none", ["none", "sdp4bit"], "Data-parallel collectives: XLA's "
-                    "rings, or SDP4Bit's two-level quantized ones (perf/compressed.py).")
+  flags.DEFINE_enum("dp_comm", "none", list(DP_COMMS), "Data-parallel collectives: NCCL's "
+                    "rings (perf/comm.ring_link), or SDP4Bit's two-level quantized ones "
+                    "(perf/compressed.py).")
   flags.DEFINE_float("node_gbps", 0.0, "Inter-node bandwidth per node in Gb/s (0: the "
                      "preset's).")
   flags.DEFINE_bool("record", False, "Also write the top configurations per GPU count to a JSON "
@@ -143,7 +145,8 @@ def main(argv):
       rows.append({"gpus": gpus, "top": [summary(p) for p in best]})
     if f.record:
       from experiments.results import write_record
-      path = write_record(f"plan-{f.model}", rows, device={"platform": "model", "device_kind": f.hardware},
+      path = write_record(f"plan-{f.model}", rows,
+                          device={"platform": "model", "device_kind": f.hardware},
                           extra={"constants": note, "dp_comm": f.dp_comm,
                                  "node_gbps": f.node_gbps})
       print(f"[plan] wrote {path}")

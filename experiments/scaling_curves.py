@@ -33,6 +33,7 @@ import sys
 from absl import app, flags
 
 from experiments import scaling_report as report
+from mscale_jax.config import DP_COMMS
 from mscale_jax.errors import ConfigError
 from mscale_jax.perf import calibrate, constants, dp_comm, fit, hardware, layer, paper, sensitivity
 from mscale_jax.perf import intervals as perf_intervals
@@ -464,7 +465,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("samples", 48, "Joint draws of the constants for the constants' band.")
   flags.DEFINE_bool("validate", False, "Also write validation.md and its record: every "
                     "protocol's fit and held-out errors, and the same with scale effects off.")
-  flags.DEFINE_enum("dp_comm", "none", ["none", "sdp4bit"], "sdp4bit: also predict every row "
+  flags.DEFINE_enum("dp_comm", "none", list(DP_COMMS), "sdp4bit: also predict every row "
                     "with SDP4Bit's quantized DP collectives (perf/dp_comm.py).")
   flags.DEFINE_list("node_gbps", [], "With --dp_comm=sdp4bit: inter-node Gb/s per node to "
                     "predict at (default: the --hardware preset's).")

@@ -161,7 +161,8 @@ def implied_gbps(cluster: str, gpus: int = HEADLINE_GPUS, tech: Techniques = TEC
   for _ in range(60):
     mid = (low * high) ** 0.5
     low, high = (mid, high) if best(mid)[0] >= target else (low, mid)
-  return {"node_gbps": low, "model": best(low)[1], "speedup": best(low)[0]}
+  reached, model = best(low)
+  return {"node_gbps": low, "model": model, "speedup": reached}
 
 
 def plot(path: str, rows: list) -> None:

@@ -71,7 +71,7 @@ def ring_link(hw: Hardware, size: int, stride: int, c: Constants) -> Link:
   g = ranks_per_node(hw, size, stride)
   if link.tier == "node" or g == 1:
     return link
-  nvlink = hw.intra_node_bw * c.nvlink_eff
+  nvlink = group_link(hw, g, stride, c).bw       # the group's g ranks in one node
   return Link(min(g * link.bw, nvlink * g / (g - 1)), link.latency_s, link.tier)
 
 

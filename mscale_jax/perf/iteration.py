@@ -3,10 +3,10 @@ parallelism.
 
 The pipeline runs in lock-step at the pace of its slowest stage (the last one, which also holds
 the LM head): `m` micro-batches of steady state plus the interleaved bubble of (pp-1)/vpp
-micro-batch times (ZB-H1: (pp-1)(T_F+T_B-T_W), see `bubble_time`). Around it: the exposed part of the data-parallel collectives, the optimizer
-update and host work (data loading) on the critical path. Then what grows with the number of
-ranks (`scale.py`): the lock-step pipeline waits for its slowest rank, and the exposed DP
-collectives for the last rank to launch them.
+micro-batch times (ZB-H1: (pp-1)(T_F+T_B-T_W), see `bubble_time`). Around it: the exposed
+part of the data-parallel collectives, the optimizer update and host work (data loading) on the
+critical path. Then what grows with the number of ranks (`scale.py`): the lock-step pipeline
+waits for its slowest rank, and the exposed DP collectives for the last rank to launch them.
 """
 import dataclasses
 

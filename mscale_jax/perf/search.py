@@ -55,10 +55,11 @@ def search(model: ModelSpec, devices: int, hw: Hardware, global_batch: int, all_
   """The `top` fitting predictions by MFU over layouts x technique switches x schedule.
 
   Every layout is tried with `all_on` (and, with one chunk per stage, also with the ZB-H1
-  schedule); each prediction takes the cheapest recomputation that fits (`predict`); the best `top` layouts are then tried with each option of
-  `technique_options` (a switch can cost more than it saves, e.g. TP overlap on small GEMMs).
-  Global batches from `global_batch` up to `max_batch_scale` times it are tried only with LAMB
-  on (the optimizer that keeps quality at the larger batch).
+  schedule); each prediction takes the cheapest recomputation that fits (`predict`); the best
+  `top` layouts are then tried with each option of `technique_options` (a switch can cost more
+  than it saves, e.g. TP overlap on small GEMMs). Global batches from `global_batch` up to
+  `max_batch_scale` times it are tried only with LAMB on (the optimizer that keeps quality at
+  the larger batch).
   """
   if devices < 1:
     raise ConfigError("devices", devices, "a positive integer")
