@@ -36,8 +36,15 @@ FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_pass
 # FAST_XLA and XLA:CPU's classic fusion emitters instead of its MLIR ones, which cuts the
 # rest by about a third. The latter only on the jaxlib it was measured on: XLA aborts the
 # process on a flag in XLA_FLAGS it does not know.
+def _jaxlib_version() -> str:
+  try:
+    return importlib.metadata.version("jaxlib")
+  except importlib.metadata.PackageNotFoundError:     # e.g. a jaxlib built from source
+    return ""
+
+
 TEST_XLA = FAST_XLA + (" --xla_cpu_use_fusion_emitters=false"
-                       if importlib.metadata.version("jaxlib").startswith("0.10.") else "")
+                       if _jaxlib_version().startswith("0.10.") else "")
 
 
 @dataclasses.dataclass
