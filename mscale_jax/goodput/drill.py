@@ -131,7 +131,7 @@ def _placement(fault: dict) -> tuple:
   if match:
     step = int(match.group(1))
     return (step if during_save else step - 1), during_save, "its injection step"
-  step = _number(fault.get("step"), fault.get("injected_step"))
+  step = _number(fault.get("step"))
   if step is not None:
     return step - 1, during_save, "its recorded step"
   if restore is not None and lost is not None:
@@ -255,11 +255,12 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
   faults, lost, unplaced, specs = [], [], [], []
   for f in _dicts(figures.get("faults")):
     fault, how = _fault(f, iteration_s)
+    label = str(f.get("injected") or f.get("kind"))
     if fault is None:
-      unplaced.append((str(f.get("injected") or f.get("kind")), how))
+      unplaced.append((label, how))
       continue
     faults.append(fault)
-    specs.append(str(f.get("injected") or f.get("kind")))
+    specs.append(label)
     lost.append(_number(f.get("steps_lost")))
   if "training_s" not in where and faults:
     where = {**where, **_split_from_faults(faults, lost, steps, iteration_s, startup, wall)}
