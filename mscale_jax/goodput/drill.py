@@ -454,4 +454,5 @@ def predict(case: DrillCase) -> Prediction:
       other_split={"checkpoint_stall_s": out.breakdown["checkpoint"],
                    "residual_s": out.breakdown["overhead"]},
       residual_needed_s=case.measured_wall_s - events.wall_s,
-      rate_from_reference=None if reference is None else run(reference).rate)
+      rate_from_reference=(None if reference is None else
+                           out.rate if residual == reference else run(reference).rate))
