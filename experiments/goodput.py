@@ -104,8 +104,9 @@ def drill_section(pattern: str) -> tuple:
     if p.case.unplaced:
       lines.append(f"- {name}: not simulated: " + "; ".join(
           f"{d} ({why})" for d, why in p.case.unplaced))
-    if drill.missing_inputs(p.case):
-      lines.append(f"- {name}: does not record " + "; ".join(drill.missing_inputs(p.case)))
+    missing = drill.missing_inputs(p.case)
+    if missing:
+      lines.append(f"- {name}: does not record " + "; ".join(missing))
   for path, err in errors:
     lines.append(f"- {os.path.basename(path)}: not read: {err}")
   lines += ["", "Breakdown, seconds, measured / predicted (detection, restart and start-up are "

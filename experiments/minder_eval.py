@@ -30,6 +30,11 @@ from experiments.results import write_record
 from mscale_jax.observability.minder import priority as priority_lib
 from mscale_jax.observability.minder.detector import Minder, MinderConfig
 from mscale_jax.observability.minder.vae import VAEConfig
+from mscale_jax.resilience.driver.supervisor import DriverOptions
+
+# The threshold detector as the driver runs it by default ('threshold_defaults' in the record).
+DRIVER_THRESHOLD = {"threshold": DriverOptions.straggler_threshold,
+                    "window": DriverOptions.straggler_window}
 
 
 def define_flags() -> None:
@@ -95,8 +100,8 @@ def main(argv):
     start = time.time()
     t_flags = replay_threshold(trace.metrics, **t_choice)
     t_wall = time.time() - start
-    d_flags = (t_flags if t_choice == {"threshold": 0.1, "window": 10} else
-               replay_threshold(trace.metrics, threshold=0.1, window=10))
+    d_flags = (t_flags if t_choice == DRIVER_THRESHOLD else
+               replay_threshold(trace.metrics, **DRIVER_THRESHOLD))
     row = {"machines": size, "hours": h, "faults": len(trace.faults),
            "healthy_blips": len(trace.blips), "minder": score(m_flags, trace.faults),
            "threshold": score(t_flags, trace.faults),

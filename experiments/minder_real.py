@@ -30,6 +30,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import job, os_faults
+from experiments.minder_scoring import prf
 from experiments.results import write_record
 
 _EPISODES = flags.DEFINE_integer("episodes", 20, "Fault episodes (as many clean stretches).")
@@ -92,11 +93,10 @@ def score(flags_, faults, cleans) -> dict:
     elif hit not in detected:
       detected[hit] = f["time"] - faults[hit]["start"]
   tp = len(detected)
-  precision = tp / max(tp + false, 1)
-  recall = tp / max(len(faults), 1)
+  precision, recall, f1 = prf(tp, false, len(faults))
   latency = sorted(detected.values())
   return {"detected": tp, "false_flags": false, "precision": precision, "recall": recall,
-          "f1": 2 * precision * recall / max(precision + recall, 1e-12),
+          "f1": f1,
           "mean_latency_s": float(np.mean(latency)) if latency else None,
           "median_latency_s": float(np.median(latency)) if latency else None,
           "latency_s": latency,

@@ -89,6 +89,12 @@ def replay_threshold(metrics: dict, *, threshold: float, window: int) -> list:
 
 # ---- scoring (the only code that reads labels) ----
 
+def prf(tp: int, fp: int, faults: int) -> tuple[float, float, float]:
+  """Precision, recall and F1 of `tp` true and `fp` false flags on `faults` labelled faults."""
+  precision, recall = tp / max(tp + fp, 1), tp / max(faults, 1)
+  return precision, recall, 2 * precision * recall / max(precision + recall, 1e-12)
+
+
 def score(flags_: list, faults: list) -> dict:
   """Matches flags to labelled faults (same machine, onset to end + GRACE_S): true and false
   positives, repeat flags, precision/recall/F1 and onset-to-flag latency, overall and per kind."""
@@ -110,9 +116,7 @@ def score(flags_: list, faults: list) -> dict:
     per_kind[kind] = {"faults": len(idx), "detected": len(lat),
                       "latency_s": lat, "mean_latency_s": float(np.mean(lat)) if lat else None,
                       "metrics": sorted({detected[i][1] for i in idx if i in detected})}
-  precision = tp / max(tp + fp, 1)
-  recall = tp / max(len(faults), 1)
-  f1 = 2 * precision * recall / max(precision + recall, 1e-12)
+  precision, recall, f1 = prf(tp, fp, len(faults))
   lat = [d[0] for d in detected.values()]
   return {"faults": len(faults), "flags": len(flags_), "true_positives": tp,
           "false_positives": fp, "repeat_flags": dup, "precision": precision, "recall": recall,
@@ -125,10 +129,10 @@ def pooled(results: list) -> dict:
   tp = sum(r["true_positives"] for r in results)
   fp = sum(r["false_positives"] for r in results)
   n = sum(r["faults"] for r in results)
-  p, rc = tp / max(tp + fp, 1), tp / max(n, 1)
+  p, rc, f1 = prf(tp, fp, n)
   lat = [x for r in results for k in r["per_kind"].values() for x in k["latency_s"]]
   return {"faults": n, "true_positives": tp, "false_positives": fp, "precision": p,
-          "recall": rc, "f1": 2 * p * rc / max(p + rc, 1e-12),
+          "recall": rc, "f1": f1,
           "mean_latency_s": float(np.mean(lat)) if lat else None,
           "median_latency_s": float(np.median(lat)) if lat else None}
 

@@ -143,7 +143,9 @@ def test_episode_features_are_high_only_where_one_machine_stands_out(minder):
 def test_with_three_machines_the_healthy_reference_floor_finds_the_outlier(minder):
   rng = np.random.default_rng(8)
   assert all(m.healthy_score > 0 for m in minder.models.values())
-  small = minder.with_config(ratio=1.3, floor=0.0, floor_scale=2.0)
+  three = minder.config.for_machines(3)               # the driver's setting for 3 ranks
+  small = minder.with_config(ratio=three.ratio, floor=three.floor,
+                             floor_scale=three.floor_scale)
   cfg = small.config
 
   def run(step):

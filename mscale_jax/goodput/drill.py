@@ -55,6 +55,7 @@ class DrillCase:
   first_stall_s: float | None
   persist_s: float
   startup_s: float
+  startup_recorded: bool        # False: startup_s is 0 and the start-up sits in the residual
   faults: tuple                 # ScheduledFault, in the record's order
   recorded_lost: tuple          # steps lost per placed fault, as recorded (None if absent)
   unplaced: tuple               # (fault description, why it was not simulated)
@@ -131,7 +132,7 @@ def _placement(fault: dict) -> tuple:
   if match:
     step = int(match.group(1))
     return (step if during_save else step - 1), during_save, "its injection step"
-  step = _number(fault.get("step"), fault.get("injected_step"))
+  step = _number(fault.get("step"))
   if step is not None:
     return step - 1, during_save, "its recorded step"
   if restore is not None and lost is not None:
@@ -255,11 +256,12 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
   faults, lost, unplaced, specs = [], [], [], []
   for f in _dicts(figures.get("faults")):
     fault, how = _fault(f, iteration_s)
+    label = str(f.get("injected") or f.get("kind"))
     if fault is None:
-      unplaced.append((str(f.get("injected") or f.get("kind")), how))
+      unplaced.append((label, how))
       continue
     faults.append(fault)
-    specs.append(str(f.get("injected") or f.get("kind")))
+    specs.append(label)
     lost.append(_number(f.get("steps_lost")))
   if "training_s" not in where and faults:
     where = {**where, **_split_from_faults(faults, lost, steps, iteration_s, startup, wall)}
@@ -284,7 +286,7 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
       path=path, steps=int(steps), iteration_s=iteration_s, checkpoint_every=every,
       stall_s=stall, first_stall_s=first_stall,
       persist_s=statistics.fmean(writes) if writes else 0.0, startup_s=startup or 0.0,
-      faults=tuple(faults), recorded_lost=tuple(lost), unplaced=tuple(unplaced),
+      startup_recorded=startup is not None, faults=tuple(faults), recorded_lost=tuple(lost), unplaced=tuple(unplaced),
       measured_rate=rate, measured_wall_s=wall, measured_breakdown=where,
       reference_wall_s=reference, reference_from=source, evaluation_s=evaluation,
       own_steps_slower_s=split.get("steps_slower_than_steady_s"),
@@ -331,7 +333,7 @@ def missing_inputs(case: DrillCase) -> tuple:
     missing.append("its own evaluations and step times (where_time_went.other_split)")
   if not case.measured_breakdown:
     missing.append("its measured split of wall time (where_time_went)")
-  if any(n.startswith("start-up time not recorded") for n in case.notes):
+  if not case.startup_recorded:
     missing.append("its start-up time")
   if not case.own_residual and case.reference_wall_s is not None and case.startup_s \
       and case.reference_startup_s is None:
@@ -453,4 +455,5 @@ def predict(case: DrillCase) -> Prediction:
       other_split={"checkpoint_stall_s": out.breakdown["checkpoint"],
                    "residual_s": out.breakdown["overhead"]},
       residual_needed_s=case.measured_wall_s - events.wall_s,
-      rate_from_reference=None if reference is None else run(reference).rate)
+      rate_from_reference=(None if reference is None else
+                           out.rate if residual == reference else run(reference).rate))

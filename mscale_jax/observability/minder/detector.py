@@ -195,8 +195,8 @@ class MinderDetector:
         continue
       top = tops[metric]
       floor = max(cfg.floor, cfg.floor_scale * self.minder.models[metric].healthy_score)
-      candidate = top if (top is not None and top.ratio >= cfg.ratio
-                          and top.score >= floor) else None
+      candidate = top if top is not None and top.stands_out(ratio=cfg.ratio, floor=floor) \
+          else None
       machine = candidate.machine if candidate else None
       if machine is not None:
         seen.add(machine)

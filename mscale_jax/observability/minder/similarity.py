@@ -34,6 +34,10 @@ class Candidate:
   score: float      # its mean distance to the others (embedding units)
   ratio: float      # score / median score of all machines
 
+  def stands_out(self, *, ratio: float, floor: float) -> bool:
+    """Whether its score is at least `ratio` x the median score and at least `floor`."""
+    return self.ratio >= ratio and self.score >= floor
+
 
 def most_distinct(embeddings: np.ndarray) -> Candidate | None:
   """The machine whose embedding is furthest from the others' (whether or not it stands out);
@@ -50,6 +54,6 @@ def outlier(embeddings: np.ndarray, *, ratio: float, floor: float) -> Candidate 
   """The most distinct machine if its score is at least `ratio` x the median score and at
   least `floor`; else None."""
   top = most_distinct(embeddings)
-  if top is not None and top.ratio >= ratio and top.score >= floor:
+  if top is not None and top.stands_out(ratio=ratio, floor=floor):
     return top
   return None

@@ -77,8 +77,8 @@ class MinderWatch:
     for sec in range(start, last + 1):
       row = {}
       for r in ranks:
-        got = next((self._samples[r].get(sec - k) for k in range(self.max_gap_s + 1)
-                    if self._samples[r].get(sec - k) is not None), None)
+        got = next((s for k in range(self.max_gap_s + 1)
+                    if (s := self._samples[r].get(sec - k)) is not None), None)
         if got is None:
           break
         row[r] = got
