@@ -360,7 +360,7 @@ class Driver:
     # what workers said about themselves, other exits, fatal log lines; then stragglers, hangs.
     return (blame.killed_by_signal(codes, group.logs) or blame.reported(beats, len(group.slots))
             or blame.exited(codes) or group.fatal_logs.poll(codes, now)
-            or self.observer.observe(now) or self._check_progress(group, beats, now))
+            or self.observer.observe(now) or self._check_progress(group, beats, codes, now))
 
   def _note_progress(self, group: _Group, beats) -> None:
     """Each rank's step and phase since when, and the group's first step (before failures)."""
@@ -385,7 +385,8 @@ class Driver:
     p95 = statistics.quantiles(times, n=20)[-1]
     return max(min(o.hang_floor_s, o.hang_timeout_s), o.hang_step_factor * p95)
 
-  def _check_progress(self, group: _Group, beats, now: float) -> events.Failure | None:
+  def _check_progress(self, group: _Group, beats, codes: list,
+                      now: float) -> events.Failure | None:
     o = self.o
     limit = self.hang_limit(group)
     # Ranks step together (every step has collectives), so a hang is the group's: no rank has
@@ -393,7 +394,7 @@ class Driver:
     # that compiles or saves). The rank that advanced least recently is named.
     ranks, allowed = [], 0.0
     for rank in range(len(group.slots)):
-      if (group.procs and group.procs[rank].poll() == 0) or \
+      if (codes and codes[rank] == 0) or \
           (rank in beats and beats[rank][0].phase == events.DONE):
         continue
       step, phase, since = group.progress.get(rank, (0, events.STARTING, group.started))
