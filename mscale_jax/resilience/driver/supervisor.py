@@ -379,7 +379,9 @@ class Driver:
   def hang_limit(self, group: _Group) -> float:
     """Seconds without a new step that make a hang (module docstring): step times from the
     heartbeats of this group and the earlier ones (the same job, the same steps)."""
-    o, times = self.o, (self._step_times + group.step_times)[-HANG_WINDOW:]
+    o = self.o
+    # Each poll calls this and the lists grow all job long: copy only their last HANG_WINDOW.
+    times = (self._step_times[-HANG_WINDOW:] + group.step_times[-HANG_WINDOW:])[-HANG_WINDOW:]
     if len(times) < HANG_WARMUP:
       return max(o.hang_timeout_s, o.hang_step_factor * (statistics.median(times) if times else 0))
     p95 = statistics.quantiles(times, n=20)[-1]
