@@ -20,24 +20,17 @@ change what the kernel does to the process.
             kernel), and without swap the kernel cannot reclaim anonymous memory at all.
 """
 import ctypes
-import glob
 import os
 import signal
 import subprocess
 import sys
 import time
 
+from mscale_jax.resilience.driver.injector import pin_process
+
 MADV_PAGEOUT = 21
 _SYS_PROCESS_MADVISE = 440          # x86_64 and aarch64 alike
 _ZRAM = "/dev/zram0"
-
-
-def _pin(pid: int, cores: set[int]) -> None:
-  for task in glob.glob(f"/proc/{pid}/task/*"):
-    try:
-      os.sched_setaffinity(int(os.path.basename(task)), cores)
-    except OSError:
-      pass
 
 
 def hog(victim: int, seconds: float, core: int | None = None, busy: int = 1,
@@ -53,13 +46,13 @@ def hog(victim: int, seconds: float, core: int | None = None, busy: int = 1,
                                     start_new_session=True))
       os.sched_setaffinity(procs[-1].pid, {core})
       _raise_priority(procs[-1].pid, nice)
-    _pin(victim, {core})
+    pin_process(victim, {core})
     time.sleep(seconds)
   finally:
     for p in procs:
       p.kill()
       p.wait()
-    _pin(victim, before)
+    pin_process(victim, before)
   return {"core": core, "busy": busy, "nice": nice}
 
 
