@@ -40,7 +40,6 @@ from mscale_jax.files import write_json
 from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
 from mscale_jax.resilience.driver import blame, claim
-from mscale_jax.resilience.driver.claim import fired_since, latest_checkpoint
 from mscale_jax.resilience.driver.injector import OsInjector
 from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
@@ -194,7 +193,7 @@ class Driver:
           outcome = f"restart budget ({self.o.max_restarts}) spent"
           break
         restarts = self._restarts = restarts + 1
-        record["restore_step"] = latest_checkpoint(self.workdir)
+        record["restore_step"] = claim.latest_checkpoint(self.workdir)
         record["steps_lost"] = max(record["last_step"] - record["restore_step"], 0)
         self.say(f"restarting from step {record['restore_step']} "
                  f"({record['steps_lost']} steps to replay)")
@@ -281,7 +280,7 @@ class Driver:
     o = self.o
     group = self._group = _Group(attempt, slots)
     self.server.clear(len(slots))
-    self.observer.start_group(group, latest_checkpoint(self.workdir))
+    self.observer.start_group(group, claim.latest_checkpoint(self.workdir))
     port = o.coordinator_port or free_port(o.coordinator_host)
     command = list(o.worker_command) + [f"--workdir={self.workdir}"]
     if len(slots) < o.num_processes:
@@ -423,7 +422,7 @@ class Driver:
 
   def _record(self, failure: events.Failure, group: _Group) -> dict:
     self.injector.failure_detected()
-    fired = fired_since(self.state_dir, group.started)
+    fired = claim.fired_since(self.state_dir, group.started)
     if fired:
       failure.happened_at = fired["time"]
       failure.step = failure.step or fired["step"]
