@@ -33,6 +33,9 @@ from mscale_jax.resilience import events
 MAX_BODY_BYTES = events.MAX_HEARTBEAT_BYTES
 MAX_COUNT = 2**53          # steps, attempts, slots, pids: beyond this a number is not one
 LOGGED_PER_REASON = 5      # rejections printed per reason; the rest are only counted
+# events.Heartbeat's fields and their types, resolved once (not per request).
+_HINTS = typing.get_type_hints(events.Heartbeat)
+_FIELDS = [(f.name, _HINTS[f.name]) for f in dataclasses.fields(events.Heartbeat)]
 
 
 class Rejected(ValueError):
@@ -62,11 +65,9 @@ def parse_heartbeat(body: bytes, num_ranks: int | None) -> events.Heartbeat:
   for field in ("rank", "host", "pid"):
     if field not in obj:
       raise Rejected(400, f"no '{field}'", field)
-  hints = typing.get_type_hints(events.Heartbeat)
-  for field in dataclasses.fields(events.Heartbeat):
-    if field.name in obj and not _conforms(obj[field.name], hints[field.name]):
-      raise Rejected(400, f"'{field.name}' is not {_name(hints[field.name])}: "
-                          f"{_show(obj[field.name])}", field.name)
+  for name, annotation in _FIELDS:
+    if name in obj and not _conforms(obj[name], annotation):
+      raise Rejected(400, f"'{name}' is not {_name(annotation)}: {_show(obj[name])}", name)
   _check_ranges(obj, num_ranks)
   return events.Heartbeat.from_json(obj)
 

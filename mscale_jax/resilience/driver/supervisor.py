@@ -40,7 +40,6 @@ from mscale_jax.files import write_json
 from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
 from mscale_jax.resilience.driver import blame, claim
-from mscale_jax.resilience.driver.claim import fired_since, latest_checkpoint
 from mscale_jax.resilience.driver.injector import OsInjector
 from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
@@ -194,7 +193,7 @@ class Driver:
           outcome = f"restart budget ({self.o.max_restarts}) spent"
           break
         restarts = self._restarts = restarts + 1
-        record["restore_step"] = latest_checkpoint(self.workdir)
+        record["restore_step"] = claim.latest_checkpoint(self.workdir)
         record["steps_lost"] = max(record["last_step"] - record["restore_step"], 0)
         self.say(f"restarting from step {record['restore_step']} "
                  f"({record['steps_lost']} steps to replay)")
@@ -281,7 +280,7 @@ class Driver:
     o = self.o
     group = self._group = _Group(attempt, slots)
     self.server.clear(len(slots))
-    self.observer.start_group(group, latest_checkpoint(self.workdir))
+    self.observer.start_group(group, claim.latest_checkpoint(self.workdir))
     port = o.coordinator_port or free_port(o.coordinator_host)
     command = list(o.worker_command) + [f"--workdir={self.workdir}"]
     if len(slots) < o.num_processes:
@@ -360,7 +359,7 @@ class Driver:
     # what workers said about themselves, other exits, fatal log lines; then stragglers, hangs.
     return (blame.killed_by_signal(codes, group.logs) or blame.reported(beats, len(group.slots))
             or blame.exited(codes) or group.fatal_logs.poll(codes, now)
-            or self.observer.observe(now) or self._check_progress(group, beats, now))
+            or self.observer.observe(now) or self._check_progress(group, beats, codes, now))
 
   def _note_progress(self, group: _Group, beats) -> None:
     """Each rank's step and phase since when, and the group's first step (before failures)."""
@@ -379,13 +378,16 @@ class Driver:
   def hang_limit(self, group: _Group) -> float:
     """Seconds without a new step that make a hang (module docstring): step times from the
     heartbeats of this group and the earlier ones (the same job, the same steps)."""
-    o, times = self.o, (self._step_times + group.step_times)[-HANG_WINDOW:]
+    o = self.o
+    # Each poll calls this and the lists grow all job long: copy only their last HANG_WINDOW.
+    times = (self._step_times[-HANG_WINDOW:] + group.step_times[-HANG_WINDOW:])[-HANG_WINDOW:]
     if len(times) < HANG_WARMUP:
       return max(o.hang_timeout_s, o.hang_step_factor * (statistics.median(times) if times else 0))
     p95 = statistics.quantiles(times, n=20)[-1]
     return max(min(o.hang_floor_s, o.hang_timeout_s), o.hang_step_factor * p95)
 
-  def _check_progress(self, group: _Group, beats, now: float) -> events.Failure | None:
+  def _check_progress(self, group: _Group, beats, codes: list,
+                      now: float) -> events.Failure | None:
     o = self.o
     limit = self.hang_limit(group)
     # Ranks step together (every step has collectives), so a hang is the group's: no rank has
@@ -393,7 +395,7 @@ class Driver:
     # that compiles or saves). The rank that advanced least recently is named.
     ranks, allowed = [], 0.0
     for rank in range(len(group.slots)):
-      if (group.procs and group.procs[rank].poll() == 0) or \
+      if (codes and codes[rank] == 0) or \
           (rank in beats and beats[rank][0].phase == events.DONE):
         continue
       step, phase, since = group.progress.get(rank, (0, events.STARTING, group.started))
@@ -420,7 +422,7 @@ class Driver:
 
   def _record(self, failure: events.Failure, group: _Group) -> dict:
     self.injector.failure_detected()
-    fired = fired_since(self.state_dir, group.started)
+    fired = claim.fired_since(self.state_dir, group.started)
     if fired:
       failure.happened_at = fired["time"]
       failure.step = failure.step or fired["step"]
