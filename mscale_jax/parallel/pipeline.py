@@ -406,10 +406,10 @@ class _Chunks:
 class _Pools:
   """Stash slots: one array [slots, *shape] per stashed leaf, in two pools. Every chunk's
   forward files into `plan_lib.MAIN` (slot: the plan's `stash_slot`), where the j-th leaf of
-  a (shape, dtype) in one op's stash goes where the j-th such leaf of another op's goes (the
-  first chunk stashes what any other stashes, plus its embedding's residuals). The model's
-  last chunk files there too, and what no other chunk stashes (the loss head's residuals:
-  logits, targets) into `plan_lib.LAST` (slot: `last_slot`), sized by its own lifetimes."""
+  a (shape, dtype) in one op's stash goes where the j-th such leaf of another op's goes. The
+  model's last chunk files there too, and what no other chunk stashes (the loss head's
+  residuals: logits, targets) into `plan_lib.LAST` (slot: `last_slot`), sized by its own
+  lifetimes."""
 
   def __init__(self, program: _Chunks, plan: plan_lib.Plan):
     self.plan, self.layout = plan, {}
