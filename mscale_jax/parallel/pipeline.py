@@ -318,6 +318,7 @@ class _Chunks:
     shape = jax.eval_shape(lambda: self._model(cp, {}).embed_tokens(tokens))
     self.act = jnp.zeros(shape.shape, shape.dtype)    # one microbatch's activations
     self.replicated = {k: _replicated(shared[k]) for k in EMBEDDINGS if k in shared}
+    self._layouts = {}   # (op.first, op.last) -> `_residual_layout`
 
   def _model(self, cp, sp):
     return nnx.merge(self.graphdef, {**self.shared, **sp, BLOCKS: cp})
@@ -373,7 +374,7 @@ class _Chunks:
     if self.recompute == "full":
       value, vjp = self._vjp(op, cp, self.embed(tokens) if op.first else leaves[0], tgt)
       return vjp, (value if op.last else None)
-    structure, where = self._residual_layout(op, tgt)
+    structure, where = self._residual_layout(op)
     params, leaves = jax.tree.leaves((cp, self._own(op))), iter(leaves)
     residuals = [next(leaves) if i is None else params[i] for i in where]
     return jax.tree.unflatten(structure, residuals), None
@@ -391,16 +392,21 @@ class _Chunks:
     return [leaf for leaf, i in zip(jax.tree.leaves(vjp), self._parameter_residuals(op, cp, vjp))
             if i is None]
 
-  def _residual_layout(self, op, tgt):
-    """(tree structure of `op`'s vjp, `_parameter_residuals` of it), from a trace."""
-    where = []
+  def _residual_layout(self, op):
+    """(tree structure of `op`'s vjp, `_parameter_residuals` of it), from one trace per kind
+    of chunk (its B and W share it; it depends on shapes only)."""
+    key = (op.first, op.last)
+    if key not in self._layouts:
+      where = []
 
-    def trace(cp, x, tgt):
-      _, vjp = self._vjp(op, cp, x, tgt)
-      where.extend(self._parameter_residuals(op, cp, vjp))
-      return vjp
-    structure = jax.tree.structure(jax.eval_shape(trace, self.example[0], self.act, tgt))
-    return structure, where
+      def trace(cp, x, tgt):
+        _, vjp = self._vjp(op, cp, x, tgt)
+        where.extend(self._parameter_residuals(op, cp, vjp))
+        return vjp
+      cp, _, tgt = self.example
+      structure = jax.tree.structure(jax.eval_shape(trace, cp, self.act, tgt))
+      self._layouts[key] = structure, where
+    return self._layouts[key]
 
 
 class _Pools:
