@@ -107,7 +107,7 @@ def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
   table = schedule_lib.build(schedule, p, v, microbatches, latency=1 if overlap else 0)
   if forward:
     table = forward_only(table)
-  release = getattr(table, "release_kind", schedule_lib.BACKWARD)
+  release = table.release_kind
   fields = {name: np.full((table.ticks, p), -1, np.int32) for name in FIELDS}
   ops = [IDLE]
   fields["op"][:] = 0
