@@ -132,12 +132,12 @@ def action_flops(plan, recompute):
                             example=(layer, tokens, targets))
 
   def stash(shared, cp, x, tokens, tgt, op):
-    return program(shared).forward(op._replace(kind="F"), cp, x, tokens, tgt)[1]
+    return program(shared).forward(op._replace(kind="F"), cp, x, tgt)[1]
 
   def action(shared, cp, x, tokens, tgt, leaves, op):
     chunks = program(shared)
     if op.kind == "F":
-      return chunks.forward(op, cp, x, tokens, tgt)
+      return chunks.forward(op, cp, x, tgt)
     vjp, value = chunks.vjp(op, cp, leaves, tokens, tgt)
     g = jnp.ones((), jnp.float32) if op.last else jnp.ones_like(chunks.act)
     d_cp, d_sp, d_x = vjp(g)

@@ -174,9 +174,9 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   def forward(op, state, t):
     x = program.embed(t["tokens"]) if op.first else t["x_in"]
     if recompute is None:   # evaluation
-      out = program.apply(op, t["cp"], x, t["tokens"], t["tgt"])
+      out = program.apply(op, t["cp"], x, t["tgt"])
       return (add_loss(state, out), act, act) if op.last else (state, out, act)
-    out, leaves = program.forward(op, t["cp"], x, t["tokens"], t["tgt"])
+    out, leaves = program.forward(op, t["cp"], x, t["tgt"])
     state = {**state, "stash_out": pools.record(op, leaves)}
     if op.last:
       return (state if recompute == "full" else add_loss(state, out)), act, act
@@ -318,6 +318,7 @@ class _Chunks:
     shape = jax.eval_shape(lambda: self._model(cp, {}).embed_tokens(tokens))
     self.act = jnp.zeros(shape.shape, shape.dtype)    # one microbatch's activations
     self.replicated = {k: _replicated(shared[k]) for k in EMBEDDINGS if k in shared}
+    self._layouts = {}   # (op.first, op.last) -> `_residual_layout`
 
   def _model(self, cp, sp):
     return nnx.merge(self.graphdef, {**self.shared, **sp, BLOCKS: cp})
@@ -332,15 +333,15 @@ class _Chunks:
     """The shared parameters `op`'s chunk reads and differentiates."""
     return self.shared if op.last else {}
 
-  def _fn(self, op, tokens, tgt):
+  def _fn(self, op, tgt):
     def fn(cp, sp, x):
       model = self._model(cp, sp)
       h = model.run_blocks(x)
       return _cross_entropy(model.head(h), tgt) / self.m if op.last else h
     return fn
 
-  def _vjp(self, op, cp, x, tokens, tgt):
-    fn = self._fn(op, tokens, tgt)
+  def _vjp(self, op, cp, x, tgt):
+    fn = self._fn(op, tgt)
     if self.recompute in STASH_POLICIES:
       # Keep the policy's matmul outputs, recompute the rest (elementwise work; with
       # 'selective' attention's core): the stash then holds what a backward needs, not every
@@ -348,32 +349,32 @@ class _Chunks:
       fn = jax.checkpoint(fn, policy=STASH_POLICIES[self.recompute])
     return jax.vjp(fn, cp, self._own(op), x)
 
-  def apply(self, op, cp, x, tokens, tgt):
+  def apply(self, op, cp, x, tgt):
     """The chunk's output (its loss share on the last chunk), no vjp."""
-    return self._fn(op, tokens, tgt)(cp, self._own(op), x)
+    return self._fn(op, tgt)(cp, self._own(op), x)
 
-  def forward(self, op, cp, x, tokens, tgt):
+  def forward(self, op, cp, x, tgt):
     """(output, leaves to stash): output is the chunk's activations (the loss share on the
     last chunk under recompute='none'; nothing under 'full', whose backward computes it)."""
     if self.recompute == "full":
       stash = [] if op.first else [x]
       if op.last:
         return None, stash
-      return self.apply(op, cp, x, tokens, tgt), stash
-    out, vjp = self._vjp(op, cp, x, tokens, tgt)
+      return self.apply(op, cp, x, tgt), stash
+    out, vjp = self._vjp(op, cp, x, tgt)
     return out, self._activations(op, cp, vjp)
 
   def stash_shapes(self, op) -> list:
     """ShapeDtypeStructs of what `forward(op, ...)` stashes."""
-    cp, tokens, tgt = self.example
-    return jax.eval_shape(lambda *a: self.forward(op, *a)[1], cp, self.act, tokens, tgt)
+    cp, _, tgt = self.example
+    return jax.eval_shape(lambda *a: self.forward(op, *a)[1], cp, self.act, tgt)
 
   def vjp(self, op, cp, leaves, tokens, tgt):
     """(vjp, loss share or None) from what `forward` stashed; vjp(g) -> (d_cp, d_sp, d_x)."""
     if self.recompute == "full":
-      value, vjp = self._vjp(op, cp, self.embed(tokens) if op.first else leaves[0], tokens, tgt)
+      value, vjp = self._vjp(op, cp, self.embed(tokens) if op.first else leaves[0], tgt)
       return vjp, (value if op.last else None)
-    structure, where = self._residual_layout(op, tokens, tgt)
+    structure, where = self._residual_layout(op)
     params, leaves = jax.tree.leaves((cp, self._own(op))), iter(leaves)
     residuals = [next(leaves) if i is None else params[i] for i in where]
     return jax.tree.unflatten(structure, residuals), None
@@ -391,25 +392,30 @@ class _Chunks:
     return [leaf for leaf, i in zip(jax.tree.leaves(vjp), self._parameter_residuals(op, cp, vjp))
             if i is None]
 
-  def _residual_layout(self, op, tokens, tgt):
-    """(tree structure of `op`'s vjp, `_parameter_residuals` of it), from a trace."""
-    where = []
+  def _residual_layout(self, op):
+    """(tree structure of `op`'s vjp, `_parameter_residuals` of it), from one trace per kind
+    of chunk (its B and W share it; it depends on shapes only)."""
+    key = (op.first, op.last)
+    if key not in self._layouts:
+      where = []
 
-    def trace(cp, x, tokens, tgt):
-      _, vjp = self._vjp(op, cp, x, tokens, tgt)
-      where.extend(self._parameter_residuals(op, cp, vjp))
-      return vjp
-    structure = jax.tree.structure(jax.eval_shape(trace, self.example[0], self.act, tokens, tgt))
-    return structure, where
+      def trace(cp, x, tgt):
+        _, vjp = self._vjp(op, cp, x, tgt)
+        where.extend(self._parameter_residuals(op, cp, vjp))
+        return vjp
+      cp, _, tgt = self.example
+      structure = jax.tree.structure(jax.eval_shape(trace, cp, self.act, tgt))
+      self._layouts[key] = structure, where
+    return self._layouts[key]
 
 
 class _Pools:
   """Stash slots: one array [slots, *shape] per stashed leaf, in two pools. Every chunk's
   forward files into `plan_lib.MAIN` (slot: the plan's `stash_slot`), where the j-th leaf of
-  a (shape, dtype) in one op's stash goes where the j-th such leaf of another op's goes (the
-  first chunk stashes what any other stashes, plus its embedding's residuals). The model's
-  last chunk files there too, and what no other chunk stashes (the loss head's residuals:
-  logits, targets) into `plan_lib.LAST` (slot: `last_slot`), sized by its own lifetimes."""
+  a (shape, dtype) in one op's stash goes where the j-th such leaf of another op's goes. The
+  model's last chunk files there too, and what no other chunk stashes (the loss head's
+  residuals: logits, targets) into `plan_lib.LAST` (slot: `last_slot`), sized by its own
+  lifetimes."""
 
   def __init__(self, program: _Chunks, plan: plan_lib.Plan):
     self.plan, self.layout = plan, {}

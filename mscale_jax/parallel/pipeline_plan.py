@@ -19,6 +19,8 @@ from typing import NamedTuple
 import numpy as np
 
 from mscale_jax.parallel import schedule as schedule_lib
+from mscale_jax.parallel.schedule_place import place
+from mscale_jax.parallel.schedule_timing import UNIT
 
 FIELDS = ("op", "chunk", "microbatch", "x_slot", "g_slot", "stash_slot", "last_slot", "cot_slot",
           "recv_f", "recv_b")
@@ -68,34 +70,11 @@ def assign(lifetimes: dict) -> tuple[dict, int]:
 def forward_only(table: schedule_lib.Table) -> schedule_lib.Table:
   """The forwards of `table` alone, each as early as its input allows in the table's order
   (an evaluation step: no backward, no stash). Same chunks, stages and message rules."""
-  p, lat = table.stages, table.latency
-  orders, starts = [], []
-  for s in range(p):
-    orders.append(tuple(a for a in table.orders[s] if a.kind == schedule_lib.FORWARD))
-  # Forwards wait only on forwards: sweep the stages until every forward is placed.
-  free, tick = [0] * p, {}
-  pending = {s: list(orders[s]) for s in range(p)}
-  while any(pending.values()):
-    progressed = False
-    for s in range(p):
-      while pending[s]:
-        a = pending[s][0]
-        start = free[s]
-        if not (s == 0 and a.chunk == 0):
-          src, chunk = (s - 1, a.chunk) if s > 0 else (p - 1, a.chunk - 1)
-          key = (src, a.microbatch, chunk)
-          if key not in tick:
-            break
-          start = max(start, tick[key] + 1 + lat)
-        tick[(s, a.microbatch, a.chunk)] = start
-        free[s] = start + 1
-        pending[s].pop(0)
-        progressed = True
-    assert progressed, "forward-only table deadlocks"
-  for s in range(p):
-    starts.append(tuple(tick[(s, a.microbatch, a.chunk)] for a in orders[s]))
-  return dataclasses.replace(table, orders=tuple(orders), starts=tuple(starts),
-                             ticks=max(free))
+  orders = tuple(tuple(a for a in order if a.kind == schedule_lib.FORWARD)
+                 for order in table.orders)
+  starts = place(orders, table.stages, table.virtual, UNIT, table.latency)
+  return dataclasses.replace(table, orders=orders, starts=tuple(map(tuple, starts)),
+                             ticks=max(st[-1] + 1 for st in starts))
 
 
 @functools.lru_cache(maxsize=64)
@@ -107,7 +86,7 @@ def make_plan(schedule: str, stages: int, virtual: int, microbatches: int,
   table = schedule_lib.build(schedule, p, v, microbatches, latency=1 if overlap else 0)
   if forward:
     table = forward_only(table)
-  release = getattr(table, "release_kind", schedule_lib.BACKWARD)
+  release = table.release_kind
   fields = {name: np.full((table.ticks, p), -1, np.int32) for name in FIELDS}
   ops = [IDLE]
   fields["op"][:] = 0
