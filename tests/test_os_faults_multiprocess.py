@@ -37,6 +37,7 @@ def test_stop_io_error_and_a_corrupt_checkpoint_are_recovered(tmp_path):
   assert not result.timed_out and not result.leftovers, result.tail()
   report = result.report
   assert result.status == 0 and report["completed"], result.tail()
+  assert len(report["failures"]) == 3, (report["failures"], result.tail())
   stop, io, corrupt = report["failures"]
   assert stop["injected"] == "stop:rank=1:step=3" and stop["rank"] == 1, stop
   assert io["injected"] == "io_error:rank=0:step=5:seconds=0.0"
