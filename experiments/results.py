@@ -18,7 +18,8 @@ def git_commit() -> str:
   """The current commit hash, with '+dirty' when the tree differs from it.
 
   Untracked files count (new code that is not committed yet), except under results/, where
-  records are written.
+  records are written. A copy of the tree without git (a lent GPU machine) reports the
+  MSCALE_COMMIT its launcher exported, else 'unknown'.
   """
   try:
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
@@ -26,8 +27,8 @@ def git_commit() -> str:
     status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)results"],
                             cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
     return sha + ("+dirty" if status else "")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
+  except (OSError, subprocess.CalledProcessError):   # a copy of the tree without .git
+    return os.environ.get("MSCALE_COMMIT", "unknown")
 
 
 def device_description() -> dict:
