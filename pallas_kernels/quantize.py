@@ -40,6 +40,18 @@ def _levels(bits: int) -> int:
   return 2 ** (bits - 1) - 1
 
 
+def round_half_even(y):
+  """`jnp.round(y)` (ties to even) for float32 |y| < 2^23, from floor and exact arithmetic.
+
+  The kernels use it because Pallas' Triton lowering has no `round` (seen on JAX 0.11.2). Every
+  step is exact: y - floor(y) and r - 2 floor(r / 2) lose no bits below 2^23.
+  """
+  r = jnp.floor(y)
+  frac = y - r
+  odd = (r - 2.0 * jnp.floor(0.5 * r)) == 1.0
+  return jnp.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
+
+
 def reference_quantize(x, *, bits: int, hadamard: bool):
   """Plain-jnp `quantize`: (uint8 offset codes [groups, g], float32 scales [groups])."""
   x = x.astype(jnp.float32)
@@ -66,7 +78,7 @@ def _quantize_kernel(x_ref, h_ref, codes_ref, scales_ref, *, bits, hadamard):
     x = jnp.dot(x, h_ref[...], preferred_element_type=jnp.float32)
   scale = jnp.max(jnp.abs(x), axis=1, keepdims=True)
   safe = jnp.where(scale > 0, scale, 1.0)
-  codes = jnp.round(x / safe * _levels(bits)) + (_levels(bits) + 1)
+  codes = round_half_even(x / safe * _levels(bits)) + (_levels(bits) + 1)
   codes_ref[...] = codes.astype(jnp.int32).astype(jnp.uint8)
   scales_ref[...] = scale
 

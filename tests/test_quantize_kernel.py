@@ -14,6 +14,16 @@ def _data(groups=64, g=128):
   return x.at[3, 7].set(60.0).at[50, 0].set(-45.0)        # outliers
 
 
+def test_round_half_even_is_jnp_round_on_ties_near_ties_and_random_values():
+  ties = np.arange(-130, 130, dtype=np.float32) + np.float32(0.5)
+  near = np.concatenate([np.nextafter(ties, np.float32(np.inf)),
+                         np.nextafter(ties, np.float32(-np.inf)),
+                         np.float32([0.49999997, -0.49999997, 0.0, -0.0])])
+  spread = np.asarray(jax.random.uniform(jax.random.key(1), (4096,), minval=-128, maxval=128))
+  y = jnp.asarray(np.concatenate([ties, near, spread]).astype(np.float32))
+  np.testing.assert_array_equal(jax.jit(kernel.round_half_even)(y), jnp.round(y))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_kernel_matches_its_reference(bits, hadamard):

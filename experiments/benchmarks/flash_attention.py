@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import time_fn
+from experiments.timing import relative_error, time_fn
 from pallas_kernels.flash_attention import flash_attention, reference_attention
 
 # (label, batch, seq, heads, head_dim, window); all causal. window=None is full causal.
@@ -130,6 +130,9 @@ def run(size: str, warmup: int, repeats: int) -> dict:
                    for key in keys]
     times = {}
     sweep = platform != "cpu" and label in _SWEEP_SHAPES
+    exact = functools.partial(reference_attention, causal=True, window=window)
+    upcast = [a.astype(jnp.float32) for a in (q, k, v, do)]
+    references = {"fwd": _fwd(exact)(*upcast[:3]), "fwd+bwd": _fwd_bwd(exact)(*upcast)}
     for impl, fn in _implementations(platform, window, block, sweep).items():
       for pass_, wrapped, args in (("fwd", _fwd(fn), (q, k, v)),
                                    ("fwd+bwd", _fwd_bwd(fn), (q, k, v, do))):
@@ -144,6 +147,7 @@ def run(size: str, warmup: int, repeats: int) -> dict:
         flops = attention_flops(batch, seq_len, heads, head_dim, window, pass_ == "fwd+bwd")
         row["median_ms"] = stats["median_s"] * 1e3
         row["tflops"] = flops / stats["median_s"] / 1e12
+        row["rel_err"] = relative_error(wrapped(*args), references[pass_])
         times[(impl, pass_)] = stats["median_s"]
         rows.append(row)
     baseline = "cudnn" if platform == "gpu" else "xla_reference"
@@ -153,6 +157,9 @@ def run(size: str, warmup: int, repeats: int) -> dict:
   notes.append("TFLOP/s count matmul FLOPs of the (query, key) pairs the mask keeps only "
                "(4*D per pair forward, +8*D backward; the backward's recompute of QK^T is not "
                "counted), so windowed and causal rows compare as useful work.")
+  notes.append("rel_err: ||out - ref|| / ||ref||, worst of the output (and dq, dk, dv for "
+               "fwd+bwd), against reference_attention on the inputs upcast to float32; bf16 "
+               "outputs land near 1e-3 to 1e-2.")
   notes.append(f"speed_vs_* = baseline time / this time (>1: faster than the baseline). "
                f"dtype {jnp.dtype(dtype).name}; xla_reference computes in float32.")
   if platform == "cpu":

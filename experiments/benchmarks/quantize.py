@@ -7,8 +7,9 @@ value; dequantize: the reverse), the same for both implementations. The XLA vers
 `reference_quantize` / `reference_dequantize` under jit (transform as a matmul, as the kernel).
 """
 import jax
+import numpy as np
 
-from experiments.timing import time_fn
+from experiments.timing import relative_error, time_fn
 from pallas_kernels import quantize as qk
 
 SHAPES = {
@@ -33,19 +34,30 @@ def run(size: str, warmup: int, repeats: int) -> dict:
     }
     ideal = groups * g * 5 + groups * 4
     times = {}
+    ref_codes, ref_scales = impls["xla"][0](x)
+    ref_values = impls["xla"][1](ref_codes, ref_scales)
     for impl, (quantize, dequantize) in impls.items():
       codes, scales = quantize(x)
+      accuracy = {
+          "quantize": {"codes_differing": float(np.mean(np.asarray(codes) !=
+                                                        np.asarray(ref_codes))),
+                       "rel_err": relative_error(scales, ref_scales)},
+          "dequantize": {"rel_err": relative_error(dequantize(ref_codes, ref_scales),
+                                                   ref_values)},
+      }
       for name, fn, args in (("quantize", quantize, (x,)),
                              ("dequantize", dequantize, (codes, scales))):
         t = time_fn(fn, *args, warmup=warmup, repeats=repeats)["median_s"]
         times[(impl, name)] = t
         row = {"shape": f"{label} {groups}x{g}", "impl": impl, "pass": name,
-               "median_ms": t * 1e3, "GB/s": ideal / t / 1e9}
+               "median_ms": t * 1e3, "GB/s": ideal / t / 1e9, **accuracy[name]}
         if impl == "pallas":
           row["speedup_vs_xla"] = times[("xla", name)] / t
         rows.append(row)
   notes = ["codes one per byte (offset-binary uint8), float32 scale per group; GB/s = ideal "
-           "bytes / median time"]
+           "bytes / median time",
+           "accuracy against the XLA version: quantize, the fraction of codes that differ and "
+           "the scales' relative error; dequantize (of the XLA codes), the relative error"]
   if jax.devices()[0].platform == "cpu":
     notes.append("CPU: the Pallas kernel runs in the interpreter; times show interpreter "
                  "overhead, not kernel speed")
