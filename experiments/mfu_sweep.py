@@ -149,9 +149,6 @@ def measure(config, *, steps: int, rounds: int, warmup: int) -> dict:
       "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
       "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
   }
-  stats = trainer.devices[0].memory_stats() or {}
-  if "peak_bytes_in_use" in stats:
-    row["peak_bytes_in_use"] = stats["peak_bytes_in_use"]
   return row
 
 

@@ -18,17 +18,19 @@ def git_commit() -> str:
   """The current commit hash, with '+dirty' when the tree differs from it.
 
   Untracked files count (new code that is not committed yet), except under results/, where
-  records are written. A copy of the tree without git (a lent GPU machine) reports the
-  MSCALE_COMMIT its launcher exported, else 'unknown'.
+  records are written. MSCALE_COMMIT, when set, wins: a copy of the tree on a lent GPU machine
+  may carry a stale .git (seen: HEAD at an older commit, the tree newer), or none.
   """
+  if os.environ.get("MSCALE_COMMIT"):     # the launcher knows better than a copied .git
+    return os.environ["MSCALE_COMMIT"]
   try:
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True).stdout.strip()
     status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)results"],
                             cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
     return sha + ("+dirty" if status else "")
-  except (OSError, subprocess.CalledProcessError):   # a copy of the tree without .git
-    return os.environ.get("MSCALE_COMMIT", "unknown")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
 
 
 def device_description() -> dict:

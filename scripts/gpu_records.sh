@@ -2,6 +2,7 @@
 # The records a GPU machine makes: the single-device MFU sweep and every kernel benchmark.
 #
 #   scripts/gpu_records.sh [OUT_DIR]      # on a machine with one NVIDIA GPU and JAX installed
+#   MSCALE_COMMIT=<sha> scripts/gpu_records.sh   # in a copy of the tree: its .git may be stale
 #
 # Uses the machine's own Python and JAX (no .venv: a lent GPU machine has no network); wheels
 # of packages it lacks may be put in .whl/ (see README, "Records on a GPU"). Each step runs
@@ -40,7 +41,6 @@ if [ -n "$wheels" ]; then
   export PYTHONPATH="/tmp/mscale-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export MSCALE_COMMIT="${MSCALE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 "$py" -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, \
 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" || exit 1
