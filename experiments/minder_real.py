@@ -15,8 +15,9 @@ Both detectors are scored on the same episodes:
              seconds as it is in the driver (replaying rather than running both live keeps one
              job, one set of episodes, and the CPU of a second watch out of the measurement).
 A flag naming the victim during its fault (or minder_scoring.GRACE_S after; the fault under way
-if the victim's next one has begun) is a detection, any other flag a false positive; latency is from the fault's start to the flag. The record also has, per fault
-kind and metric, the victim's median against its peers' (what separated it, and what did not).
+if the victim's next one has begun) is a detection, any other flag a false positive; latency is
+from the fault's start to the flag. The record also has, per fault kind and metric, the
+victim's median against its peers' (what separated it, and what did not).
 """
 import json
 import os

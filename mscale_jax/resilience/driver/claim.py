@@ -103,7 +103,8 @@ def latest_checkpoint(workdir: str) -> int:
   files match their checksum manifest (the worker sets a corrupt one aside and restores the
   one before it: mscale_jax/checkpoint.py)."""
   directory = os.path.join(workdir, "checkpoints")
-  return next((s for s in checkpoint_steps(directory) if verify_manifest(os.path.join(directory, str(s))) is None), 0)
+  return next((s for s in checkpoint_steps(directory)
+               if verify_manifest(os.path.join(directory, str(s))) is None), 0)
 
 
 def last_logged_step(workdir: str) -> int:
