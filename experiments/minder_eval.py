@@ -14,8 +14,9 @@ Protocol (every split is its own seed; the detectors see metric arrays only):
 Scoring (minder_scoring.match): a fault is detected when the detector flags its machine between
 its onset and GRACE_S (60 s) after its end; the first such flag is a true positive, its delay
 from the onset the detection latency; later flags of the same machine during the same fault are
-not counted; every other flag is a false positive. Also timed: the compute time of one Minder check over all metrics (the
-paper's 3.6 s is, as we read it, the time of one detection pass on pulled data).
+not counted; every other flag is a false positive. Also timed: the compute time of one Minder
+check over all metrics (the paper's 3.6 s is, as we read it, the time of one detection pass on
+pulled data).
 """
 import dataclasses
 import time
