@@ -11,11 +11,12 @@ Protocol (every split is its own seed; the detectors see metric arrays only):
   3. validation: a labelled trace on which Minder's thresholds (ratio, floor, continuity) and the
      threshold detector's (threshold, window) are chosen for the best F1;
   4. test: fresh traces of 16 .. 1,024 machines, scored once with the chosen settings.
-Scoring: a fault is detected when the detector flags its machine between its onset and `grace_s`
-after its end; the first such flag is a true positive, its delay from the onset the detection
-latency; later flags of the same machine during the same fault are not counted; every other flag
-is a false positive. Also timed: the compute time of one Minder check over all metrics (the
-paper's 3.6 s is, as we read it, the time of one detection pass on pulled data).
+Scoring (minder_scoring.match): a fault is detected when the detector flags its machine between
+its onset and GRACE_S (60 s) after its end; the first such flag is a true positive, its delay
+from the onset the detection latency; later flags of the same machine during the same fault are
+not counted; every other flag is a false positive. Also timed: the compute time of one Minder
+check over all metrics (the paper's 3.6 s is, as we read it, the time of one detection pass on
+pulled data).
 """
 import dataclasses
 import time

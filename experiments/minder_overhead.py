@@ -39,7 +39,7 @@ def main(argv):
           for _ in range(max(_THREADS.value - threading.active_count(), 0))]
   for t in idle:
     t.start()
-  threads = len(monitor._schedstat_ns())
+  threads = len(monitor.schedstat_ns())
   sampler = MetricSampler(lambda: (1, 0.3, 0.001))
   sampler.sample()
   n = 2000
@@ -49,7 +49,7 @@ def main(argv):
   sample_s = (time.perf_counter() - start) / n
   start = time.perf_counter()
   for _ in range(n):
-    monitor._schedstat_ns()
+    monitor.schedstat_ns()
   runq_s = (time.perf_counter() - start) / n
   stop.set()
   print(f"one sample {1e6 * sample_s:.1f} us, of which the run-queue read of {threads} threads "

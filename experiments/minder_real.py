@@ -14,9 +14,10 @@ Both detectors are scored on the same episodes:
              on the recorded samples in their arrival order, trained on the job's first fit_s
              seconds as it is in the driver (replaying rather than running both live keeps one
              job, one set of episodes, and the CPU of a second watch out of the measurement).
-A flag naming the victim during its fault (or GRACE_S after) is a detection, any other flag a
-false positive; latency is from the fault's start to the flag. The record also has, per fault
-kind and metric, the victim's median against its peers' (what separated it, and what did not).
+A flag naming the victim during its fault (or minder_scoring.GRACE_S after; the fault under way
+if the victim's next one has begun) is a detection, any other flag a false positive; latency is
+from the fault's start to the flag. The record also has, per fault kind and metric, the
+victim's median against its peers' (what separated it, and what did not).
 """
 import json
 import os
@@ -30,8 +31,9 @@ import numpy as np
 from absl import app, flags
 
 from experiments import job, os_faults
-from experiments.minder_scoring import prf
+from experiments.minder_scoring import GRACE_S, score_episodes
 from experiments.results import write_record
+from mscale_jax.resilience.driver import claim
 
 _EPISODES = flags.DEFINE_integer("episodes", 20, "Fault episodes (as many clean stretches).")
 _EPISODE_S = flags.DEFINE_integer("episode_s", 40, "Seconds per fault and per clean stretch.")
@@ -39,22 +41,15 @@ _FIT_S = flags.DEFINE_integer("fit_s", 90, "Clean seconds Minder trains on befor
 _PROCESSES = flags.DEFINE_integer("num_processes", 3, "Worker processes (Minder needs >= 3).")
 _KINDS = flags.DEFINE_list("kinds", ["hog", "throttle", "mem"], "Fault kinds (os_faults.py).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/minder_real", "Run folder.")
-GRACE_S = 30
 SETTLE_S = 5          # seconds after a fault's start not used for the per-metric medians
 
 
 def worker_pids(workdir: str) -> dict[int, int]:
-  """{rank: pid} from the driver's status screen."""
-  out = {}
-  try:
-    with open(os.path.join(workdir, "resilience", "status.txt")) as f:
-      for line in f:
-        parts = line.split()
-        if len(parts) > 3 and parts[0].isdigit() and parts[3].isdigit():
-          out[int(parts[0])] = int(parts[3])   # rank slot host pid phase ...
-  except OSError:
-    pass
-  return out
+  """{rank: pid} of the running group's live workers, from the driver's claim on the workdir
+  (resilience/driver.json: the workers in rank order, each with its start time)."""
+  record = claim.read(os.path.join(workdir, "resilience"))    # written whole (a rename)
+  workers = record["workers"] if record else []
+  return {rank: w["pid"] for rank, w in enumerate(workers) if claim.same_process(w)}
 
 
 def read_monitor(workdir: str) -> list[tuple[int, list[dict]]]:
@@ -73,40 +68,13 @@ def replay_minder(beats, ranks: list[int], fit_s: int, say=print) -> tuple[list[
     watch.add(rank, samples)
     start = time.perf_counter()
     new = watch.update(ranks)
-    if watch._fitting is not None and watch.minder is None:
-      watch._fitting.join()                        # the driver trains while the job goes on
+    if watch.minder is None:
+      watch.wait_trained()                         # the driver trains while the job goes on
     elif watch.detector is not None:
       spent += time.perf_counter() - start
       checks += 1
     found += [{**f.to_json(), "time": f.at} for f in new]
   return found, spent / max(checks, 1)
-
-
-def score(flags_, faults, cleans) -> dict:
-  """Precision, recall, F1, latency of `flags_` ({'rank', 'time'}) on the labelled episodes."""
-  detected, false = {}, 0
-  for f in sorted(flags_, key=lambda f: f["time"]):
-    hit = next((i for i, e in enumerate(faults) if e["rank"] == f["rank"]
-                and e["start"] <= f["time"] <= e["end"] + GRACE_S), None)
-    if hit is None:
-      false += 1
-    elif hit not in detected:
-      detected[hit] = f["time"] - faults[hit]["start"]
-  tp = len(detected)
-  precision, recall, f1 = prf(tp, false, len(faults))
-  latency = sorted(detected.values())
-  return {"detected": tp, "false_flags": false, "precision": precision, "recall": recall,
-          "f1": f1,
-          "mean_latency_s": float(np.mean(latency)) if latency else None,
-          "median_latency_s": float(np.median(latency)) if latency else None,
-          "latency_s": latency,
-          "clean_stretches_with_a_flag": sum(any(e["start"] <= f["time"] <= e["end"]
-                                                 for f in flags_) for e in cleans),
-          "per_kind": {k: {"faults": sum(e["kind"] == k for e in faults),
-                           "detected": sum(faults[i]["kind"] == k for i in detected),
-                           "latency_s": [detected[i] for i in sorted(detected)
-                                         if faults[i]["kind"] == k]}
-                       for k in sorted({e["kind"] for e in faults})}}
 
 
 def separation(beats, episodes, metrics) -> dict:
@@ -199,7 +167,8 @@ def main(argv):
   from mscale_jax.observability.minder.watch import WATCH_METRICS
   figures = {
       "episodes": episodes, "faults": len(faults), "clean_stretches": len(cleans),
-      "threshold": score(live, faults, cleans), "minder": score(m_flags, faults, cleans),
+      "threshold": score_episodes(live, faults, cleans),
+      "minder": score_episodes(m_flags, faults, cleans),
       "flags": {"threshold": live, "minder": m_flags},
       "minder_check_s": check_s,
       "separation": separation(beats, episodes, WATCH_METRICS),

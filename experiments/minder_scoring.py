@@ -15,6 +15,9 @@ from mscale_jax.observability.minder.detector import Minder, MinderDetector, epi
 
 PAPER = {"precision": 0.904, "f1": 0.893, "reaction_s": 3.6,
          "source": "Deng et al., Minder, NSDI 2025, abstract and §6"}
+# A flag on a fault's machine up to GRACE_S after the fault ended still detects it: a detector
+# that needs a stretch of evidence (Minder: a 30-s window, then 6 checks 5 s apart) can flag a
+# short fault once it is over. One value for every evaluation (fleet traces, real runs).
 GRACE_S = 60
 
 
@@ -95,13 +98,27 @@ def prf(tp: int, fp: int, faults: int) -> tuple[float, float, float]:
   return precision, recall, 2 * precision * recall / max(precision + recall, 1e-12)
 
 
+def match(flags_: list[tuple[float, int]], faults: list[tuple[int, float, float]]
+          ) -> list[int | None]:
+  """The fault each flag (second, machine) detects, as an index into `faults` ((machine, onset,
+  end)), or None for a false flag: of the faults on the flag's machine with onset <= second <=
+  end + GRACE_S, the latest to start (a flag during a fault that began within GRACE_S of the
+  previous one's end on that machine is the new fault's). The one matcher of both evaluations."""
+  hits = []
+  for t, machine in flags_:
+    covering = [i for i, (m, onset, end) in enumerate(faults)
+                if m == machine and onset <= t <= end + GRACE_S]
+    hits.append(max(covering, key=lambda i: faults[i][1]) if covering else None)
+  return hits
+
+
 def score(flags_: list, faults: list) -> dict:
-  """Matches flags to labelled faults (same machine, onset to end + GRACE_S): true and false
+  """Matches flags (second, machine, metric) to labelled faults (`match`): true and false
   positives, repeat flags, precision/recall/F1 and onset-to-flag latency, overall and per kind."""
   detected, tp, fp, dup = {}, 0, 0, 0
-  for t, machine, metric in flags_:
-    hit = next((i for i, f in enumerate(faults)
-                if f.machine == machine and f.onset <= t <= f.end + GRACE_S), None)
+  hits = match([(t, machine) for t, machine, _ in flags_],
+               [(f.machine, f.onset, f.end) for f in faults])
+  for (t, machine, metric), hit in zip(flags_, hits):
     if hit is None:
       fp += 1
     elif hit in detected:
@@ -122,6 +139,36 @@ def score(flags_: list, faults: list) -> dict:
           "false_positives": fp, "repeat_flags": dup, "precision": precision, "recall": recall,
           "f1": f1, "mean_latency_s": float(np.mean(lat)) if lat else None,
           "median_latency_s": float(np.median(lat)) if lat else None, "per_kind": per_kind}
+
+
+def score_episodes(flags_: list[dict], faults: list[dict], cleans: list[dict]) -> dict:
+  """Precision, recall, F1, latency of `flags_` ({'rank', 'time'}) on the episodes of a real run
+  (experiments/minder_real.py: faults {'kind', 'rank', 'start', 'end'}, clean stretches
+  {'start', 'end'}), matched as on the fleet traces (`match`)."""
+  detected, false = {}, 0
+  flags_ = sorted(flags_, key=lambda f: f["time"])
+  hits = match([(f["time"], f["rank"]) for f in flags_],
+               [(e["rank"], e["start"], e["end"]) for e in faults])
+  for f, hit in zip(flags_, hits):
+    if hit is None:
+      false += 1
+    elif hit not in detected:
+      detected[hit] = f["time"] - faults[hit]["start"]
+  tp = len(detected)
+  precision, recall, f1 = prf(tp, false, len(faults))
+  latency = sorted(detected.values())
+  return {"detected": tp, "false_flags": false, "precision": precision, "recall": recall,
+          "f1": f1,
+          "mean_latency_s": float(np.mean(latency)) if latency else None,
+          "median_latency_s": float(np.median(latency)) if latency else None,
+          "latency_s": latency,
+          "clean_stretches_with_a_flag": sum(any(e["start"] <= f["time"] <= e["end"]
+                                                 for f in flags_) for e in cleans),
+          "per_kind": {k: {"faults": sum(e["kind"] == k for e in faults),
+                           "detected": sum(faults[i]["kind"] == k for i in detected),
+                           "latency_s": [detected[i] for i in sorted(detected)
+                                         if faults[i]["kind"] == k]}
+                       for k in sorted({e["kind"] for e in faults})}}
 
 
 def pooled(results: list) -> dict:

@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 
 from mscale_jax.config import Config
 from mscale_jax.errors import ConfigError
-from mscale_jax.files import verify_manifest, write_manifest
+from mscale_jax.files import checkpoint_steps, verify_manifest, write_manifest
 
 log = logging.getLogger("mscale_jax")
 
@@ -60,10 +60,8 @@ class CheckpointWriteError(RuntimeError):
 def set_aside_corrupt(directory: str) -> list[dict]:
   """Moves checkpoints under `directory` that fail their manifest, newest first until one holds,
   into a sibling folder 'checkpoints_corrupt'; returns [{'step', 'problem', 'moved_to'}]."""
-  steps = sorted((int(d) for d in os.listdir(directory) if d.isdigit()), reverse=True) \
-      if os.path.isdir(directory) else []
   moved = []
-  for step in steps:
+  for step in checkpoint_steps(directory):
     problem = verify_manifest(os.path.join(directory, str(step)))
     if problem is None:
       break
@@ -165,11 +163,10 @@ class Checkpointer:
   def _write_error(self, step: int | None, error: Exception) -> CheckpointWriteError:
     what = f"checkpoint step {step}" if step is not None else "a checkpoint"
     # The manager counts a save as soon as it starts; a complete one is a renamed folder.
-    complete = [int(d) for d in os.listdir(self.directory) if d.isdigit()] \
-        if os.path.isdir(self.directory) else []
+    latest = next(iter(checkpoint_steps(self.directory)), None)
     return CheckpointWriteError(
         f"{what} could not be written under {self.directory} ({type(error).__name__}: "
-        f"{error}); the latest complete checkpoint is still step {max(complete, default=None)}, "
+        f"{error}); the latest complete checkpoint is still step {latest}, "
         f"intact: a restart resumes from it")
 
   def _save(self, step: int, state, data_state: dict, config: Config,

@@ -1,5 +1,6 @@
 """Writing a file whole or not at all, for records other processes (or a restart) may read;
-checksum manifests of a folder (checkpoints), to notice later that a file changed."""
+checksum manifests of a folder (checkpoints), to notice later that a file changed; the list of
+complete checkpoints in a checkpoint folder."""
 import hashlib
 import json
 import os
@@ -59,3 +60,15 @@ def verify_manifest(directory: str) -> str | None:
     if _sha256(full) != want["sha256"]:
       return f"{rel} fails its SHA-256 checksum"
   return None
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+  """The steps of the complete checkpoints in `directory`, newest first ([] if it is missing).
+
+  A complete checkpoint is a folder named by its step: orbax writes into
+  `STEP.orbax-checkpoint-tmp-*` and renames it when complete, so a half-written one is not
+  listed. A corrupt one is (check each with `verify_manifest`).
+  """
+  if not os.path.isdir(directory):
+    return []
+  return sorted((int(d) for d in os.listdir(directory) if d.isdigit()), reverse=True)

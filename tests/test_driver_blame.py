@@ -131,3 +131,36 @@ def test_a_reported_error_that_names_a_lost_peer_is_filed_on_that_peer():
       events.EXCEPTION, 0, "ValueError: Task 1 heartbeat timeout in my own code", step=3).to_json())
   assert blame.reported({0: (own, 0.0)}, 2).rank == 0   # no coordination error: its own
   assert blamed_task("UNAVAILABLE: Task 3 heartbeat timeout", 0, 2) == 0   # not in the group
+
+
+def test_the_three_readers_agree_on_what_is_a_coordination_error(tmp_path):
+  """A coordination-service error as JAX prints it (POLLED, as in
+  results/fault_drill-gpt_tiny-cpu-20261126T064248.json, then the line naming task 1) is filed
+  on the peer it names whether the driver reads it from an aborted worker's log, from a live
+  log, or from the worker's own report; a plain fatal line followed by the same tail stays its
+  own rank's in all three. So is a barrier timeout (the form XLA's service raises), which only
+  says 'Coordination' capitalised. A real barrier error a worker reported (fault_drill record of
+  10:05:20) is the coordination service's too, in any case of the word."""
+  barrier = ("RPC: /xla.coordination.CoordinationService/Barrier "
+             "[type.googleapis.com/tensorflow.CoordinationServiceError='']")
+  assert events.from_coordination_service(barrier)
+  assert events.from_coordination_service("UNAVAILABLE: [tensorflow.CoordinationServiceError='']")
+  assert not events.from_coordination_service(NAMES_PEER_1)
+  timeout = ("jax.errors.JaxRuntimeError: DEADLINE_EXCEEDED: Barrier timed out. Id: "
+             "checkpoint_save. [type.googleapis.com/tensorflow.CoordinationServiceError='']\n")
+  for text, blamed in ((POLLED + NAMES_PEER_1, 1), (timeout + NAMES_PEER_1, 1),
+                       ("Check failed: x == y\n" + NAMES_PEER_1, 0)):
+    logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
+    with open(logs[0], "w") as f:
+      f.write(text)
+    open(logs[1], "w").close()
+    aborted = blame.killed_by_signal([-signal.SIGABRT, None], logs)
+    fatal = blame.FatalLogs(logs, settle_s=0.0).poll([None, None], now=1.0)
+    beat = events.Heartbeat(rank=0, host="h", pid=1, failure=events.Failure(
+        events.EXCEPTION, 0, text, step=4).to_json())
+    report = blame.reported({0: (beat, 0.0)}, 2)
+    coordination = events.from_coordination_service(text)
+    assert coordination == (blamed == 1)
+    assert (fatal.kind, fatal.rank) == (events.FATAL_LOG, blamed), text
+    assert report.rank == blamed and (report.kind == events.FATAL_LOG) == coordination, text
+    assert aborted.rank == blamed and (aborted.kind == events.FATAL_LOG) == coordination, text

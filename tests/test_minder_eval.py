@@ -74,3 +74,34 @@ def test_score_counts_true_false_and_repeat_flags():
   assert s["per_kind"]["slow_compute"]["latency_s"] == [30]
   assert s["per_kind"]["hang"]["latency_s"] == [150]
   assert s["precision"] == 2 / 5 and s["recall"] == 1.0
+
+
+def test_a_flag_detects_the_fault_under_way_or_one_that_ended_within_the_grace_period():
+  g = minder_scoring.GRACE_S
+  # machine 1: a fault from 0 to 40 s, the next from 40 + g // 2 (within the first's grace);
+  # machine 2: one fault from 500 to 540 s.
+  faults = [(1, 0, 40), (1, 40 + g // 2, 100 + g), (2, 500, 540)]
+  flags = [(10, 1), (40 + g // 4, 1), (40 + g // 2 + 1, 1), (100 + 2 * g + 1, 1),
+           (540 + g, 2), (541 + g, 2), (20, 2)]
+  assert minder_scoring.match(flags, faults) == [0, 0, 1, None, 2, None, None]
+
+
+def test_fleet_and_real_run_scores_count_the_same_flags_alike():
+  """One matcher for both evaluations: the same faults and flags, in the fleet traces' form and
+  in a real run's episodes, give the same detections, false flags and latencies."""
+  rng = np.random.default_rng(3)
+  starts = np.cumsum(rng.integers(30, 90, size=12))
+  faults = [fleet.Fault(str(rng.choice(fleet.FAULT_KINDS)), int(rng.integers(3)), int(s),
+                        int(s + rng.integers(20, 60)), 1.0) for s in starts]
+  flags = sorted((int(rng.integers(0, starts[-1] + 120)), int(rng.integers(3)), "m")
+                 for _ in range(40))
+  fleet_score = minder_scoring.score(flags, faults)
+  episodes = [{"kind": f.kind, "rank": f.machine, "start": f.onset, "end": f.end}
+              for f in faults]
+  real = minder_scoring.score_episodes([{"time": t, "rank": m} for t, m, _ in flags],
+                                       episodes, [])
+  assert real["detected"] == fleet_score["true_positives"]
+  assert real["false_flags"] == fleet_score["false_positives"]
+  assert real["latency_s"] == sorted(x for k in fleet_score["per_kind"].values()
+                                     for x in k["latency_s"])
+  assert 0 < real["detected"] < len(faults) and real["false_flags"] > 0   # both kinds occur

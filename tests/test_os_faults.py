@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mscale_jax.errors import ConfigError
-from mscale_jax.files import verify_manifest, write_manifest
+from mscale_jax.files import checkpoint_steps, verify_manifest, write_manifest
 from mscale_jax.resilience.driver import claim, injector
 from mscale_jax.resilience.driver.claim import latest_checkpoint
 from mscale_jax.resilience.faults import DRIVER, parse_fault, parse_faults
@@ -71,6 +71,27 @@ def test_a_manifest_notices_a_flipped_byte_a_truncation_and_a_missing_file(tmp_p
   assert "bytes" in verify_manifest(str(tmp_path / "7"))
   os.remove(tmp_path / "7" / "meta")
   assert "missing" in verify_manifest(str(tmp_path / "7"))
+
+
+def test_checkpoint_steps_lists_complete_and_corrupt_checkpoints_not_half_written_ones(tmp_path):
+  rng = np.random.default_rng(1)
+  directory = tmp_path / "checkpoints"
+  assert checkpoint_steps(str(directory)) == []                  # no folder yet
+  for step in (5, 10, 20):
+    _folder(directory / str(step), rng)
+  for step in (10, 20):
+    write_manifest(str(directory / str(step)))
+  _folder(directory / "30.orbax-checkpoint-tmp-1764150000123456", rng)   # orbax, mid-write
+  injector.flip_bytes(str(directory / "20"))                     # corrupt after its manifest
+  (directory / "notes.txt").write_text("not a checkpoint")
+  assert checkpoint_steps(str(directory)) == [20, 10, 5]         # numeric, newest first
+  # What each caller makes of the list: the driver skips the corrupt one; the injector wants
+  # a manifest as well; the worker sets the corrupt newest aside and keeps the rest.
+  assert latest_checkpoint(str(tmp_path)) == 10
+  assert injector.newest_verified_checkpoint(str(directory)) == str(directory / "10")
+  from mscale_jax.checkpoint import set_aside_corrupt
+  assert [m["step"] for m in set_aside_corrupt(str(directory))] == [20]
+  assert checkpoint_steps(str(directory)) == [10, 5]
 
 
 def _state(seed):

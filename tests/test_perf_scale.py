@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from experiments import scaling_curves
+from experiments import scaling_curves, scaling_validation
 from mscale_jax.perf import comm, constants, fit, iteration, paper, scale
 from mscale_jax.perf.constants import DEFAULT
 from mscale_jax.perf.hardware import A100_MEGASCALE as A100
@@ -137,8 +137,8 @@ def test_defaults_are_a_grid_minimum_of_the_full_fit():
 
 def test_validate_mode_runs(tmp_path):
   validations = fit.validate(points=3, names={"c", "e"})
-  out = scaling_curves.run_validation(str(tmp_path), points=3, compare_off=False,
-                                      validations=validations)
+  out = scaling_validation.run_validation(str(tmp_path), points=3, compare_off=False,
+                                          validations=validations)
   c, e = out["validations"]
   assert {r.global_batch for r in c.fit.rows} == {256, 768}
   assert {h.row.global_batch for h in c.held_out} == {6144} and len(c.counted) == 8

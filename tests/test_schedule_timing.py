@@ -107,8 +107,15 @@ def test_pipeline_schedule_record_and_picture(tmp_path):
   table = S.build("zb_h1", 4, 1, 8, 1)
   fig = pipeline_schedule.figures(table, hop=0.1)
   assert fig["ticks"] == table.ticks and fig["peak_inflight_per_stage"] == [7, 7, 7, 7]
-  assert fig["recompute_full"]["bubble"] == pytest.approx(
-      table.timeline(S.pass_costs("full"), 0.1).bubble)
+  # ZB-H1 with 2 stages and 1 microbatch, timed by hand (hop 0.1; full recompute: F 1, B 2,
+  # W 1): F0 [0, 1], F1 [1.1, 2.1], B1 [2.1, 4.1], W1 [4.1, 5.1] beside B0 [4.2, 6.2], then
+  # W0 [6.2, 7.2]: 7.2 in all, 4 of it busy. Without recompute B is 1: 5.2, 3 busy. In ticks
+  # F0 F1 B1 B0 W0 (W1 beside B0): 5.
+  small = pipeline_schedule.figures(S.build("zb_h1", 2, 1, 1, 0), hop=0.1)
+  assert small["ticks"] == 5
+  assert small["recompute_full"]["step_free_running"] == pytest.approx(7.2)
+  assert small["recompute_full"]["bubble"] == pytest.approx(3.2)
+  assert small["recompute_none"]["bubble"] == pytest.approx(2.2)
   for row in pipeline_schedule.zb_h1_comparison():
     assert row["zb_h1_bubble"] == pytest.approx(row["paper_zb_h1"])
     assert row["1f1b_bubble"] == pytest.approx(row["paper_1f1b"])

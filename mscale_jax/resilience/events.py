@@ -49,6 +49,14 @@ FATAL_LOG_PATTERNS = tuple(re.compile(p) for p in (
 ))
 
 
+def from_coordination_service(text: str) -> bool:
+  """Whether `text` (a log line, or an exception a worker reported) is an error of JAX's
+  coordination service: the service's agent ('Polled an error from coordination service'), or
+  an RPC it failed ('...CoordinationServiceError', '/xla.coordination.CoordinationService/...').
+  Such an error usually names the peer that was lost rather than the process that printed it."""
+  return "coordination" in text.lower()
+
+
 def fatal_pattern(line: str) -> str | None:
   """The first fatal pattern `line` matches (its regex source), or None."""
   for pattern in FATAL_LOG_PATTERNS:

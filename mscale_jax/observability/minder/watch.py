@@ -92,6 +92,13 @@ class MinderWatch:
         del self._samples[r][old]
     return flags
 
+  def wait_trained(self) -> bool:
+    """Blocks until the training under way (if any) ends; whether Minder is trained. For a
+    replay of recorded samples, which, unlike a live job, has nothing to do meanwhile."""
+    if self._fitting is not None:
+      self._fitting.join()
+    return self.minder is not None
+
   def _arrays(self, rows, ranks) -> dict[str, np.ndarray]:
     out = {}
     for m in WATCH_METRICS:

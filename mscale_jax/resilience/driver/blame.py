@@ -61,7 +61,7 @@ def killed_by_signal(codes: list, logs: list[str]) -> events.Failure | None:
     if codes[rank] == -signal.SIGABRT:
       tail = log_tail(logs[rank])   # the worker has exited: its log is complete
       line = next((l.strip()[:300] for l in tail.splitlines()
-                   if "coordination" in l and events.fatal_pattern(l)), None)
+                   if events.from_coordination_service(l) and events.fatal_pattern(l)), None)
       if line and (peer := blamed_task(tail, rank, len(codes))) != rank:
         return events.Failure(events.FATAL_LOG, peer, f"{line} (rank {rank} aborted on it)")
     return events.Failure(events.EXITED, rank, f"killed by signal {-codes[rank]}")
@@ -76,7 +76,8 @@ def reported(beats: dict, count: int) -> events.Failure | None:
   for rank, (beat, _) in sorted(beats.items()):
     if beat.failure:
       f = beat.failure
-      peer = blamed_task(f["detail"], rank, count) if "oordination" in f["detail"] else rank
+      peer = (blamed_task(f["detail"], rank, count)
+              if events.from_coordination_service(f["detail"]) else rank)
       if peer != rank:
         return events.Failure(events.FATAL_LOG, peer, f"{f['detail'][:300]} (rank {rank} "
                               f"reported it)", step=f.get("step"))
@@ -118,7 +119,7 @@ class FatalLogs:
         line = self._new_fatal_line(rank, path)
         if line is None:
           continue
-        if "coordination" not in line:
+        if not events.from_coordination_service(line):
           return events.Failure(events.FATAL_LOG, rank, line)
         self._held[rank] = (line, now)
       line, seen = self._held[rank]

@@ -12,7 +12,7 @@ import json
 import os
 import signal
 
-from mscale_jax.files import verify_manifest, write_json
+from mscale_jax.files import checkpoint_steps, verify_manifest, write_json
 from mscale_jax.resilience import events
 
 NAME = "driver.json"
@@ -103,9 +103,8 @@ def latest_checkpoint(workdir: str) -> int:
   files match their checksum manifest (the worker sets a corrupt one aside and restores the
   one before it: mscale_jax/checkpoint.py)."""
   directory = os.path.join(workdir, "checkpoints")
-  steps = sorted((int(d) for d in os.listdir(directory) if d.isdigit()), reverse=True) \
-      if os.path.isdir(directory) else []
-  return next((s for s in steps if verify_manifest(os.path.join(directory, str(s))) is None), 0)
+  return next((s for s in checkpoint_steps(directory)
+               if verify_manifest(os.path.join(directory, str(s))) is None), 0)
 
 
 def last_logged_step(workdir: str) -> int:

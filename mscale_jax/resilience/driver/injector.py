@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from mscale_jax.files import verify_manifest, write_json
+from mscale_jax.files import checkpoint_steps, verify_manifest, write_json
 from mscale_jax.resilience.faults import DRIVER, Fault
 
 OS_KINDS = ("stop", "contend", "corrupt_checkpoint", "io_error", "kill_driver",
@@ -148,9 +148,7 @@ def pin_process(pid: int, cores: set[int]) -> None:
 
 def newest_verified_checkpoint(directory: str) -> str | None:
   """The newest step folder under `directory` whose checksum manifest is written and holds."""
-  steps = sorted((int(d) for d in os.listdir(directory) if d.isdigit()), reverse=True) \
-      if os.path.isdir(directory) else []
-  for step in steps:
+  for step in checkpoint_steps(directory):
     path = os.path.join(directory, str(step))
     if verify_manifest(path) is None and os.path.exists(os.path.join(path, "manifest.json")):
       return path

@@ -67,7 +67,7 @@ def _io_bytes() -> tuple[int, int] | None:
     return None
 
 
-def _schedstat_ns() -> dict[int, tuple[int, int]]:
+def schedstat_ns() -> dict[int, tuple[int, int]]:
   """{thread id: (ns run on a CPU, ns waited on a run queue) so far} for this process's live
   threads (the first two fields of each thread's schedstat; an empty dict where the kernel does
   not keep them)."""
@@ -90,7 +90,7 @@ def _counters() -> tuple[float, dict[int, tuple[int, int]], int, int]:
   """(CPU seconds, (run, run-queue wait) per thread, involuntary switches, major faults) so
   far."""
   usage = resource.getrusage(resource.RUSAGE_SELF)
-  return time.process_time(), _schedstat_ns(), usage.ru_nivcsw, usage.ru_majflt
+  return time.process_time(), schedstat_ns(), usage.ru_nivcsw, usage.ru_majflt
 
 
 def _device_mem_mb() -> float | None:
