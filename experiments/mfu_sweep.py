@@ -126,16 +126,18 @@ def measure(config, *, steps: int, rounds: int, warmup: int) -> dict:
       metrics = None
       for i in range(n):
         state, metrics = program(state, batches[i % len(batches)])
-      jax.block_until_ready(metrics["loss"])
+      jax.block_until_ready((state, metrics))    # the last update too, not only its loss
       return metrics
 
-    run(warmup)
-    times = []
-    for _ in range(rounds):
-      start = time.perf_counter()
-      metrics = run(steps)
-      times.append((time.perf_counter() - start) / steps)
-    trainer.train_iter.close()
+    try:
+      run(warmup)
+      times = []
+      for _ in range(rounds):
+        start = time.perf_counter()
+        metrics = run(steps)
+        times.append((time.perf_counter() - start) / steps)
+    finally:
+      trainer.train_iter.close()
   step_s = statistics.median(times)
   tokens_per_s = config.train.global_batch * config.model.seq_len / step_s
   devices = len(trainer.devices)
@@ -224,9 +226,9 @@ def main(argv):
     base = Config.from_dict(f.config.to_dict())
     for name in f.variants:
       overrides(name, base)
-    for field in ("steps", "rounds"):
-      if getattr(f, field) < 1:
-        raise ConfigError(field, getattr(f, field), "at least 1")
+    for field, least in (("steps", 1), ("rounds", 1), ("warmup", 0)):
+      if getattr(f, field) < least:
+        raise ConfigError(field, getattr(f, field), f"at least {least}")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

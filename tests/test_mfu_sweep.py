@@ -51,6 +51,11 @@ def test_a_measured_row_is_consistent_with_its_own_time_and_the_megatron_count()
   assert 0 < row["last_loss"] < 10
 
 
+def test_no_warmup_still_times_every_round():
+  row = mfu_sweep.measure(_base(), steps=1, rounds=2, warmup=0)
+  assert len(row["step_s_rounds"]) == 2 and all(t > 0 for t in row["step_s_rounds"])
+
+
 def test_the_cli_refuses_an_unknown_variant_on_one_line_with_status_2():
   done = subprocess.run([sys.executable, "-m", "experiments.mfu_sweep", "--variants=ptb,nope",
                          "--config=experiments/configs/gpt_tiny.py"], cwd=ROOT,
