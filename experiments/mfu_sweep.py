@@ -23,8 +23,10 @@ Each variant is compiled with the Trainer's own step program; then each of --rou
 times --steps steps (state donated, batches on device before timing, one sync per round).
 Reported per variant: the median step time over rounds, tokens/s, TFLOP/s per device and MFU =
 tokens/s x Megatron FLOPs per token (no recomputation; `mscale_jax.flops`) / (devices x the
-dense bf16 peak of the data sheet; on CPU the host's measured matmul rate). A variant that fails
-(out of memory, a kernel that does not compile) is recorded with its error and the sweep goes on.
+dense bf16 peak of the data sheet; on CPU the host's measured matmul rate). Every variant's
+config is validated before the first compiles (a ConfigError exits with status 2); a variant that
+fails later (out of memory, a kernel that does not compile) is recorded with its error and the
+sweep goes on.
 """
 import os
 import statistics
@@ -220,12 +222,12 @@ def main(argv):
     logging.getLogger(name).setLevel(logging.INFO)
   import jax
   from experiments import results
-  from mscale_jax.config import Config
+  from mscale_jax.config import Config, validate
   f = flags.FLAGS
   try:
     base = Config.from_dict(f.config.to_dict())
-    for name in f.variants:
-      overrides(name, base)
+    for name in f.variants:       # every variant's config checked before the first compiles
+      validate(base.replace(**overrides(name, base)), _device_count(), platform=_platform())
     for field, least in (("steps", 1), ("rounds", 1), ("warmup", 0)):
       if getattr(f, field) < least:
         raise ConfigError(field, getattr(f, field), f"at least {least}")

@@ -64,6 +64,16 @@ def test_the_cli_refuses_an_unknown_variant_on_one_line_with_status_2():
   assert done.stderr.strip().splitlines()[-1].startswith("error: variants='nope'")
 
 
+def test_the_cli_refuses_a_variant_the_platform_cannot_run_before_compiling_any():
+  done = subprocess.run([sys.executable, "-m", "experiments.mfu_sweep", "--variants=ptb,cudnn",
+                         "--config=experiments/configs/gpt_tiny.py"], cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 2, done.stderr[-500:]
+  assert done.stderr.strip().splitlines()[-1].startswith("error: model.attention_impl='cudnn'")
+  assert "compiling" not in done.stdout
+
+
 def test_a_record_names_the_commit_its_launcher_gives(monkeypatch):
   monkeypatch.setenv("MSCALE_COMMIT", "0123abc")
   assert results.git_commit() == "0123abc"
