@@ -41,10 +41,13 @@ def _levels(bits: int) -> int:
 
 
 def round_half_even(y):
-  """`jnp.round(y)` (ties to even) for float32 |y| < 2^23, from floor and exact arithmetic.
+  """`jnp.round(y)` (ties to even) from floor and compares, for every float32 y.
 
-  The kernels use it because Pallas' Triton lowering has no `round` (seen on JAX 0.11.2). Every
-  step is exact: y - floor(y) and r - 2 floor(r / 2) lose no bits below 2^23.
+  The kernels use it because Pallas' Triton lowering has no `round` (seen on JAX 0.11.2). For
+  |y| >= 2^23 y is already an integer (frac 0); below, y - floor(y) is exact except for tiny
+  negative y, where it rounds up to 1.0 and still selects floor(y) + 1 = 0. The parity test
+  r - 2 floor(r / 2) is exact for integers below 2^24. One difference: y in [-0.5, 0) gives
+  +0.0 where jnp.round gives -0.0 (no matter to the codes, which add an offset).
   """
   r = jnp.floor(y)
   frac = y - r

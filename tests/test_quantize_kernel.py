@@ -24,6 +24,18 @@ def test_round_half_even_is_jnp_round_on_ties_near_ties_and_random_values():
   np.testing.assert_array_equal(jax.jit(kernel.round_half_even)(y), jnp.round(y))
 
 
+def test_round_half_even_is_jnp_round_on_any_float32_and_around_2_to_the_22_and_23():
+  bits = np.random.default_rng(0).integers(0, 2**32, 200_000, dtype=np.uint64)
+  anything = bits.astype(np.uint32).view(np.float32)
+  anything = anything[np.isfinite(anything)]
+  integers = np.concatenate([np.arange(2**22 - 64, 2**22 + 64),
+                             np.arange(2**23 - 64, 2**23 + 64)])
+  around = np.concatenate([integers, -integers]).astype(np.float64)
+  around = np.concatenate([around, around + 0.5, around + 0.25]).astype(np.float32)
+  y = jnp.asarray(np.concatenate([anything, around, np.float32([np.inf, -np.inf, 3e38])]))
+  np.testing.assert_array_equal(jax.jit(kernel.round_half_even)(y), jnp.round(y))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_kernel_matches_its_reference(bits, hadamard):
