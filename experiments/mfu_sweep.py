@@ -28,6 +28,7 @@ config is validated before the first compiles (a ConfigError exits with status 2
 fails later (out of memory, a kernel that does not compile) is recorded with its error and the
 sweep goes on.
 """
+import gc
 import os
 import statistics
 import sys
@@ -238,11 +239,16 @@ def main(argv):
   print(f"[mfu_sweep] {base.name} on {len(devices)} x {devices[0].device_kind}: "
         f"{len(f.variants)} variants, {f.rounds} rounds x {f.steps} steps after {f.warmup} "
         f"warm-up steps", flush=True)
+  if devices[0].platform == "cpu":
+    print("[mfu_sweep] CPU: simulated devices share this host's cores and Pallas kernels run in "
+          "the interpreter; a GPT-3-sized config takes long here (try "
+          "--config=experiments/configs/gpt_tiny.py for a smoke run)", flush=True)
   rows = []
   for name in f.variants:
     print(f"[mfu_sweep] {name}: compiling ...", flush=True)
     rows.append(run_variant(name, base))
     print(format_row(rows[-1]), flush=True)
+    gc.collect()        # the last variant's buffers go before the next one allocates
   figures = {"variants": rows, "ladder": [n for n, _, _ in LADDER],
              "mfu_formula": "tokens/s x Megatron-LM FLOPs per token (no recomputation, full "
                             "causal attention whatever the window) / (devices x peak)"}
