@@ -174,15 +174,19 @@ COLORS = {"detection_s": "#d62728", "diagnosis_s": "#9467bd", "restart_s": "#1f7
 
 
 def plot(per_fault: list[dict], figures: dict, path: str) -> None:
-  """One bar per fault, split by phase (seconds of the fault run's wall time it cost)."""
+  """One bar per fault in the order they struck, split by phase (seconds of the fault run's
+  wall time it cost)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from mscale_jax.resilience.faults import parse_fault
+  per_fault = sorted(per_fault, key=lambda f: parse_fault(f["injected"]).step)
   fig, ax = plt.subplots(figsize=(9, 4.2))
   labels = [f["injected"].split(":")[0] + (" at save" if "at=save" in f["injected"] else "")
             + ("\n(found by a restart's\nself-check: no own cost)"
                if f["injected"].startswith("bad_slot") else "")
-            + ("\n(not flagged)" if f["kind"] == "not flagged" else "") for f in per_fault]
+            + ("\n(not flagged)" if f["kind"] == "not flagged" else "")
+            + ("\n(rolled back in-process)" if f.get("in_process") else "") for f in per_fault]
   bottom = [0.0] * len(per_fault)
   for phase in PHASES:
     values = [f["phases"].get(phase) or 0.0 for f in per_fault]
