@@ -68,8 +68,8 @@ def _slowdown(run_dir: str, spec: str, run: dict, iteration_s: float, report: di
     return {"fired": False}
   end = marker["time"] + fault.seconds
   window = [r for r in run.values() if marker["time"] <= r["time"] <= end + iteration_s]
-  since = [f for f in report["observability"].get("straggler_flags") or []
-           if isinstance(f, dict) and marker["time"] <= (f.get("time") or 0) <= end + 60]
+  since = [f for f in straggler_flags(run_dir, report)
+           if marker["time"] <= (f.get("time") or 0) <= end + 60]
   victim = [f for f in since if f.get("rank") == fault.rank]   # the first flag of the victim
   return {"fired": True, "core": marker.get("core"), "steps_in_window": len(window),
           "slowdown_s": sum(max(r["step_time_s"] - iteration_s, 0.0) for r in window),
@@ -77,6 +77,16 @@ def _slowdown(run_dir: str, spec: str, run: dict, iteration_s: float, report: di
           "flagged_metric": victim[0].get("metric") if victim else None,
           "other_ranks_flagged": sorted({f.get("rank") for f in since} - {fault.rank}),
           "detection_latency_s": victim[0]["time"] - marker["time"] if victim else None}
+
+
+def straggler_flags(run_dir: str, report: dict) -> list[dict]:
+  """Every straggler flag of the job: WORKDIR/resilience/stragglers.jsonl (every driver's, also
+  one killed by kill_driver: the report holds only the last driver's), else the report's."""
+  path = os.path.join(run_dir, "resilience", "stragglers.jsonl")
+  if os.path.exists(path):
+    with open(path) as f:
+      return [flag for flag in map(json.loads, filter(str.strip, f)) if isinstance(flag, dict)]
+  return [f for f in report["observability"].get("straggler_flags") or [] if isinstance(f, dict)]
 
 
 def per_fault_rows(faults: list[str], report: dict, run: dict, run_dir: str,

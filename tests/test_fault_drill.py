@@ -133,3 +133,15 @@ def test_side_by_side_runs_jobs_together_and_a_twin_until_the_last_ends():
   assert at[("long", "start")] < at[("short", "end")]   # together
   assert at[("short", "end")] <= ran["load_twin"]["started"] < at[("long", "end")]
   assert ran["load_twin"]["ended"] >= at[("long", "end")]
+
+
+def test_straggler_flags_of_every_driver_come_from_the_workdir(tmp_path):
+  """After kill_driver the report is the second driver's; stragglers.jsonl holds both's."""
+  report = {"observability": {"straggler_flags": []}}
+  assert drill_accounting.straggler_flags(str(tmp_path), report) == []
+  (tmp_path / "resilience").mkdir()
+  flags = [{"rank": 1, "metric": "runq_wait_share", "time": 5.0},
+           {"rank": 0, "metric": "host", "time": 9.0}]
+  (tmp_path / "resilience" / "stragglers.jsonl").write_text(
+      "".join(json.dumps(f) + "\n" for f in flags))
+  assert drill_accounting.straggler_flags(str(tmp_path), report) == flags
