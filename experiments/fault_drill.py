@@ -65,9 +65,10 @@ TARGET = 0.95   # the fault run keeps this fraction of the fault-free run's rate
 
 
 def default_faults(steps: int, checkpoint_every: int) -> list[str]:
-  """The 12 drill faults placed at their fractions of a `steps`-step run."""
+  """The 12 drill faults placed at their fractions of a `steps`-step run, in the order they
+  strike."""
   out = []
-  for spec, fraction in OLD_FAULTS + OS_FAULTS:
+  for spec, fraction in sorted(OLD_FAULTS + OS_FAULTS, key=lambda f: f[1]):
     step = max(round(fraction * steps), 1)
     if "at=save" in spec:
       step = max(round(step / checkpoint_every), 1) * checkpoint_every
