@@ -189,14 +189,21 @@ def restart_phases(report: dict, run_dir: str) -> list[dict]:
   standby's hand-over, jax.distributed, the self-check, building the trainer), the restore, the
   compilation or compile-cache load (with the first batch and the step's tracing and lowering:
   the cache is keyed by the lowered program), and the first step. `process_start_s` leaves the
-  self-check (`self_check_s`) out."""
+  self-check (`self_check_s`) out; a restart after one whose self-check excluded a slot has no
+  failure of its own (`self_check_s` None: its check is inside `process_start_s`)."""
   from mscale_jax.observability import timeline
   path = os.path.join(run_dir, "timeline", "rank0.jsonl")
   metas, spans = timeline.read_rank_file(path) if os.path.exists(path) else ([], [])
   detected = {f["attempt"] + 1: f for f in report["failures"]}
+  attempts = {a["attempt"]: a for a in report["attempts"]}
   out = []
   for a in report["attempts"]:
     failure = detected.get(a["attempt"])
+    before = attempts.get(a["attempt"] - 1) or {}
+    if failure is None and before.get("failure") and before.get("ended"):
+      # The attempt before ended without a failure record of its own (its self-check excluded
+      # a slot): this restart counts from its end; its self-check is in process_start_s.
+      failure = {"kind": before["failure"], "detected_at": before["ended"]}
     segment = next((i + 1 for i, m in enumerate(metas) if m.get("attempt") == a["attempt"]),
                    None)
     if failure is None or segment is None or not a.get("started"):

@@ -145,3 +145,23 @@ def test_straggler_flags_of_every_driver_come_from_the_workdir(tmp_path):
   (tmp_path / "resilience" / "stragglers.jsonl").write_text(
       "".join(json.dumps(f) + "\n" for f in flags))
   assert drill_accounting.straggler_flags(str(tmp_path), report) == flags
+
+
+def test_a_restart_after_a_failed_self_check_counts_from_that_attempts_end(tmp_path):
+  _write_timeline(tmp_path / "timeline", [
+      {"meta": {"rank": 0, "attempt": 0, "wall0": 0.0}}, _span("sync", 1, 1.0, 2.0),
+      {"meta": {"rank": 0, "attempt": 2, "wall0": 64.0}},
+      {"name": "restore", "step": None, "start": 64.0, "end": 65.0, "track": "loop"},
+      {"name": "compile", "step": None, "start": 65.0, "end": 70.0, "track": "loop"},
+      _span("sync", 11, 70.0, 71.0)])
+  report = {"attempts": [{"attempt": 0, "started": 0.0},
+                         {"attempt": 1, "started": 51.0, "ended": 60.0,
+                          "failure": "self_check_failed"},
+                         {"attempt": 2, "started": 61.0}],
+            "failures": [{"attempt": 0, "kind": "exited", "injected": "kill:rank=1:step=12",
+                          "detected_at": 50.0, "diagnosis": {"seconds": 4.0}}]}
+  (phases,) = drill_accounting.restart_phases(report, str(tmp_path))   # attempt 1: no timeline
+  assert (phases["attempt"], phases["after"], phases["teardown_s"]) == (2, "self_check_failed",
+                                                                          1.0)
+  assert phases["self_check_s"] is None and phases["process_start_s"] == 3.0
+  assert (phases["compile_or_cache_load_s"], phases["first_step_s"]) == (5.0, 1.0)
