@@ -46,8 +46,8 @@ from absl import app, flags
 
 from experiments import job
 from experiments.drill_accounting import (compare, metrics, per_fault_rows, read_json,
-                                          restart_phases, startup_s, straggler_flags,
-                                          timeline_totals, where_time_went)
+                                          reference_gain, restart_phases, startup_s,
+                                          straggler_flags, timeline_totals, where_time_went)
 
 # The default drill's faults, each at a fraction of the run (--steps): six inside the workers,
 # six from outside. A save-time kill lands on a checkpoint step.
@@ -270,6 +270,9 @@ def main(argv):
   iteration_s = _tokens_per_step(ref_dir) / ref_summary["mean_tokens_per_s"] if comparable \
       else own
   rows = per_fault_rows(faults, report, run, run_dir, iteration_s)
+  # Side by side, the reference gains while the fault run is down: how much, and the ratio had
+  # it not (its wall time plus what it saved).
+  gain = reference_gain(reference, run)
   rate = FLAGS.steps * iteration_s / report["wall_s"]
   ref_rate = FLAGS.steps * iteration_s / ref_report["wall_s"]
   figures = {
@@ -291,6 +294,9 @@ def main(argv):
                              "load stayed alike to the end" if drill_runs.get("concurrent")
                              else "one after the other",
       "reference_runs": drill_runs.get("reference_runs"),
+      "reference_gain_while_fault_run_down": gain,
+      "rate_vs_fault_free_without_that_gain": (ref_report["wall_s"] + gain["reference_saved_s"])
+                                              / report["wall_s"],
       "load_twin": drill_runs.get("load_twin"),
       "steps": FLAGS.steps,
       "checkpoint_every": FLAGS.checkpoint_every,

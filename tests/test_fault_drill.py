@@ -165,3 +165,14 @@ def test_a_restart_after_a_failed_self_check_counts_from_that_attempts_end(tmp_p
                                                                           1.0)
   assert phases["self_check_s"] is None and phases["process_start_s"] == 3.0
   assert (phases["compile_or_cache_load_s"], phases["first_step_s"]) == (5.0, 1.0)
+
+
+def test_reference_gain_counts_the_reference_steps_run_while_the_fault_run_was_down():
+  run = {s: {"time": float(s), "step_time_s": 1.0} for s in range(1, 6)}
+  run.update({s: {"time": 10.0 + s, "step_time_s": 1.0} for s in range(6, 9)})   # down 5 -> 16
+  reference = {s: {"time": 0.5 * s, "step_time_s": 0.8 if 5 < 0.5 * s <= 16 else 1.0}
+               for s in range(1, 37)}
+  gain = drill_accounting.reference_gain(reference, run)
+  assert gain["gaps"] == 1 and gain["gaps_s"] == 11.0
+  assert gain["reference_steps_in_gaps"] == 22   # times 5.5 ... 16.0
+  assert abs(gain["reference_saved_s"] - 22 * 0.2) < 1e-9
