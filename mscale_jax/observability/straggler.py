@@ -43,10 +43,10 @@ HOST_METRICS = ("probe_ms", "rss_mb")   # the host probes the detector compares
 # Per-second monitoring samples the detector compares, each averaged over OS_SMOOTH seconds, and
 # the excess over the other ranks' median that counts as abnormal. runq_wait_share: on this
 # oversubscribed 2-core host every rank waits for a CPU most of the time, so the share crowds
-# towards 1 and a busy process on one rank's core put it only 0.06-0.09 above its peer (the
-# fault drill of 2026-11-26 09:14); healthy ranks of that drill's fault-free run (1,229 s) stayed
-# within 0.042 of each other over 10-s means (p99 0.033; 5-s means: max 0.061), so 10-s means
-# and 0.05 (docs/monitoring.md). majflt_per_s: healthy ranks have none once compiled; a rank
+# towards 1 and a busy process on one rank's core put it only 0.07-0.12 above its peer in three
+# drills; healthy ranks' 10-s means stayed within 0.032-0.062 of each other and never 0.05 apart
+# for 10 s in a row, so 10-s means and 0.05 (results/os_detector_replay-cpu-20261126T122000.json,
+# docs/monitoring.md). majflt_per_s: healthy ranks have none once compiled; a rank
 # whose memory is reclaimed takes thousands a second.
 OS_THRESHOLDS = {"runq_wait_share": 0.05, "majflt_per_s": 100.0}
 OS_SMOOTH = 10
