@@ -149,7 +149,8 @@ def per_fault_rows(faults: list[str], report: dict, run: dict, run_dir: str,
         "kind": f["kind"], "rank": f["rank"], "slot": f.get("slot"),
         "detected": True, "recovered": "job restart (the driver restarted the group from the"
         " latest checkpoint)" if f["kind"] != "driver_lost" else "the same launch command run "
-        "again resumed the job from its workdir", "detail": f["detail"], "detection_latency_s": f["detection_latency_s"],
+        "again resumed the job from its workdir",
+        "detail": f["detail"], "detection_latency_s": f["detection_latency_s"],
         "diagnosis": {"self_check_s": diagnosis,
                       "excluded": (f.get("diagnosis") or {}).get("excluded")},
         "restart_s": restart, "warm_processes": warm.get(f["attempt"] + 1),

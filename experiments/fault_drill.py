@@ -32,8 +32,8 @@ covers is reported as `unaccounted_s`, not attributed), the effective training t
 the fault run and of the fault-free run (MegaScale's: iterations x iteration time / wall time,
 with the reference's steady iteration time) and their ratio, and whether the loss curve
 equals the reference step for step (through the NaN's rollback, which departs from it by design).
-Accounting: experiments/drill_accounting.py. Writes a results/ record and, next to it, a PNG with one bar
-per fault split by phase.
+Accounting: experiments/drill_accounting.py. Writes a results/ record and, next to it, a PNG
+with one bar per fault split by phase.
 """
 import functools
 import json

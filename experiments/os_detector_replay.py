@@ -1,7 +1,8 @@
 r"""The run-queue straggler detector replayed on what drills recorded: how far apart healthy ranks
 are, how far a busy neighbour puts its victim, and what each setting would have flagged.
 
-  python -m experiments.os_detector_replay --run=runs/fault_drill/faults-X --run=runs/fault_drill/reference-X
+  python -m experiments.os_detector_replay --run=runs/fault_drill/faults-X \
+      --run=runs/fault_drill/reference-X
 
 Every run's WORKDIR/resilience/monitor.jsonl holds each rank's per-second samples (what the
 driver's detector saw). Per run: the per-second spread of `runq_wait_share` between two ranks

@@ -52,9 +52,9 @@ def _span(name, step, start, end):
 
 
 def test_a_nan_rolled_back_in_process_is_one_row_and_its_discarded_steps_count_once(tmp_path):
-  """NaN fired before step 7 (at t=106, steps 1 s each from t=100); the loop found it at step 8 and restored step 4's
-  checkpoint (t=108.0-108.5), then ran steps 5-8 again. Steps 5-8's first runs are left out of
-  the training steps and summed apart."""
+  """NaN fired before step 7 (at t=106, steps 1 s each from t=100); the loop found it at step 8
+  and restored step 4's checkpoint (t=108.0-108.5), then ran steps 5-8 again. Steps 5-8's first
+  runs are left out of the training steps and summed apart."""
   spec = "nan:step=7"
   (tmp_path / "resilience" / "faults").mkdir(parents=True)
   (tmp_path / "resilience" / "faults" / "0-nan-rank0.json").write_text(
