@@ -120,6 +120,18 @@ _STATUS_EVERY = flags.DEFINE_float("status_every_s", 30.0, "Seconds between the 
                                    "status screens (0: none).")
 
 
+# The driver's policy flags an emitted job file passes on to the driver in watch mode (the
+# rest are local-only: spares, standbys, the compile cache, the self-check's slots).
+DRIVER_FLAGS = ("hang_floor_s", "hang_step_factor", "startup_timeout_s", "io_timeout_s",
+                "straggler_policy", "straggler_threshold", "straggler_window",
+                "straggler_detector", "straggler_host_probes", "minder_fit_s", "status_every_s")
+
+
+def driver_flags() -> list[str]:
+  """DRIVER_FLAGS as command-line flags with this run's values."""
+  return [flags.FLAGS[name].serialize() for name in DRIVER_FLAGS]
+
+
 def parse_train_args(args: list[str]):
   """The Config experiments.train would build from `args` (its flags after `--`)."""
   from ml_collections import config_flags
@@ -224,6 +236,7 @@ def main(argv):
         heartbeat_port=_HEARTBEAT_PORT.value or 8470, train_args=train_args,
         workdir=workdir, image=_IMAGE.value, faults=[f.spec for f in faults],
         heartbeat_s=_HEARTBEAT_S.value, hang_timeout_s=_HANG.value,
+        driver_flags=driver_flags(),
         max_restarts=_RESTARTS.value, repo=os.getcwd(), python=sys.executable,
         tasks_per_node=_TASKS_PER_NODE.value, gpus=_CLUSTER_GPUS.value,
         xla_flags=_XLA_FLAGS.value, pvc=_PVC.value, mount=_MOUNT.value,

@@ -165,3 +165,42 @@ def test_watch_mode_sees_completion_and_failures(tmp_path):
   assert not report["completed"]
   (failure,) = report["failures"]
   assert (failure["kind"], failure["rank"], failure["step"]) == ("exception", 1, 12)
+
+
+# What the launcher parses from an emitted driver command: its driver-policy flags' values.
+_PARSE_DRIVER = """import json, sys
+from absl import flags
+from experiments import launch
+flags.FLAGS(sys.argv)
+print(json.dumps({name: flags.FLAGS[name].value for name in launch.DRIVER_FLAGS}))
+"""
+
+
+def _driver_policy(args):
+  """The driver-policy flag values the launcher reads from `args` (a driver command's)."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  result = subprocess.run([sys.executable, "-c", _PARSE_DRIVER, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return json.loads(result.stdout)
+
+
+def test_emitted_files_pass_the_driver_policy_flags_on(tmp_path):
+  """The driver in watch mode gets the launcher's hang floor, limits and straggler policy as
+  given (not its own defaults): parsed back from the Slurm script and the JobSet manifest."""
+  import shlex
+  given = ["--hang_floor_s=7", "--hang_step_factor=12", "--io_timeout_s=33",
+           "--straggler_policy=evict", "--straggler_window=4"]
+  slurm = open(emit("slurm", tmp_path / "s", *given)).read()
+  line = [l for l in slurm.splitlines() if "--watch" in l][0].replace("$attempt", "0")
+  args = shlex.split(line.rstrip(" &"))[1:]        # after the interpreter
+  manifest = json.loads(open(emit("kubernetes", tmp_path / "k", "--pvc=c", *given)).read())
+  (driver,) = [j for j in manifest["spec"]["replicatedJobs"] if j["name"] == "driver"]
+  command = [a.replace("$(MSCALE_ATTEMPT)", "0") for a in   # expanded by Kubernetes
+             driver["template"]["spec"]["template"]["spec"]["containers"][0]["command"]]
+  for parsed in (_driver_policy(args[2:]), _driver_policy(command[3:])):
+    assert {k: parsed[k] for k in ("hang_floor_s", "hang_step_factor", "io_timeout_s",
+                                   "straggler_policy", "straggler_window")} == {
+        "hang_floor_s": 7.0, "hang_step_factor": 12.0, "io_timeout_s": 33.0,
+        "straggler_policy": "evict", "straggler_window": 4}
+    assert parsed["startup_timeout_s"] == 600.0   # the launcher's default, passed on as well

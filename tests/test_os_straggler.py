@@ -32,16 +32,19 @@ def _beat(rank, second, share, majflt=0.0):
 
 def _run(workdir, n, victim, *, shift, seed, os_detector=True, seconds=60, onset=20,
          faults=0.0):
-  """Feeds `seconds` heartbeats per rank: shares ~ N(0.6, 0.06) (the spread of healthy ranks
-  in our runs, docs/monitoring.md), `victim` + `shift` from `onset` on; major faults ~
-  Poisson(1) on every rank, + Poisson(`faults`) on the victim from `onset` on."""
+  """Feeds `seconds` heartbeats per rank: shares 0.6 + a load term common to all ranks
+  N(0, 0.045) + each rank's own N(0, 0.031) (healthy ranks in the fault drill's fault-free run:
+  0.058 per rank, 0.044 between two ranks, per second; straggler.OS_THRESHOLDS),
+  `victim` + `shift` from `onset` on; major faults ~ Poisson(1) on every rank, +
+  Poisson(`faults`) on the victim from `onset` on."""
   rng = np.random.default_rng(seed)
   observer = Observer(str(workdir), lambda _: None, status_every_s=0, os_detector=os_detector)
   observer.start_group(_Group(n))
   for sec in range(seconds):
+    load = rng.normal(0.0, 0.045)
     for rank in range(n):
       hit = rank == victim and sec >= onset
-      share = rng.normal(0.6, 0.06) + (shift if hit else 0.0)
+      share = 0.6 + load + rng.normal(0.0, 0.031) + (shift if hit else 0.0)
       majflt = rng.poisson(1.0) + (rng.poisson(faults) if hit else 0)
       observer.receive(_beat(rank, sec, float(share), float(majflt)), 0.0)
     observer.observe(now=sec)
@@ -62,7 +65,15 @@ def test_a_rank_waiting_for_cpu_is_flagged_after_the_window(tmp_path, n):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_healthy_noise_flags_nobody(tmp_path, seed):
-  assert _run(tmp_path, 3, None, shift=0.0, seed=seed) == []
+  assert _run(tmp_path, 3, None, shift=0.0, seed=seed, seconds=300) == []
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_busy_neighbour_as_small_as_measured_is_flagged(tmp_path, n):
+  """The drill's busy process on one rank's core: only ~0.08 above its peer on a loaded host
+  (mean over the streak the replay flagged), for 30 s (straggler.OS_THRESHOLDS)."""
+  flags = _run(tmp_path, n, n - 1, shift=0.08, seed=11 + n, seconds=50, onset=20)
+  assert [(f["rank"], f["metric"]) for f in flags] == [(n - 1, "runq_wait_share")]
 
 
 def test_a_rank_with_major_faults_is_flagged(tmp_path):

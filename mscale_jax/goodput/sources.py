@@ -97,9 +97,10 @@ INPUTS = {
     "megascale.catch_up_s": Input(900, "s", "cited", MEGASCALE + " 6.3",
                                   "'catch up to the training progress prior to the crash within "
                                   "15 minutes from the latest checkpoints'"),
-    "drill.exit_detection_s": Input(0.73, "s", "measured", DRILL,
+    "drill.exit_detection_s": Input(0.88, "s", "measured", DRILL,
                                     "slowest detection of a process exit, exception or NaN stop "
-                                    "over the drill records (2 processes)"),
+                                    "(not an in-process rollback) over the drill records (2 "
+                                    "processes)"),
     "hang_timeout_s": Input(600, "s", "cited", TORCH_NCCL,
                             "the default NCCL watchdog timeout a hang waits for"),
     "minder.reaction_s": Input(3.6, "s", "cited", MINDER,

@@ -84,7 +84,7 @@ class Observer:
     self._host_round = 0
     self._seconds = straggler.SecondTable()
     self._os = {m: straggler.StragglerDetector(threshold=t, window=self.os_window,
-                                               unit="excess", smooth=5)
+                                               unit="excess", smooth=straggler.OS_SMOOTH)
                 for m, t in straggler.OS_THRESHOLDS.items()}
     self._probes = collections.defaultdict(lambda: collections.deque(maxlen=6))
     self._latest: dict[int, events.Heartbeat] = {}

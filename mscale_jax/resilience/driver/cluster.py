@@ -45,6 +45,9 @@ class ClusterJob:
   faults: list[str] = dataclasses.field(default_factory=list)
   heartbeat_s: float = 2.0
   hang_timeout_s: float = 60.0
+  # The launcher's other driver-policy flags, passed on to the driver in watch mode as given
+  # (e.g. ['--hang_floor_s=10.0', '--straggler_policy=warn']): experiments.launch.DRIVER_FLAGS.
+  driver_flags: list[str] = dataclasses.field(default_factory=list)
   max_restarts: int = 5
   repo: str = "."                  # Slurm: the checkout the tasks run in (shared by the nodes)
   python: str = "python"           # Slurm: the interpreter (the one that wrote the script)
@@ -67,6 +70,7 @@ class ClusterJob:
             f"--devices_per_process={self.devices_per_process}",
             "--coordinator_host=0.0.0.0", f"--heartbeat_port={self.heartbeat_port}",
             f"--heartbeat_s={self.heartbeat_s}", f"--hang_timeout_s={self.hang_timeout_s}",
+            *self.driver_flags,
             f"--workdir={workdir or self.workdir}", "--", *self.train_args]
 
   def worker_env(self) -> dict[str, str]:
