@@ -175,6 +175,38 @@ def test_plan_slots_follow_the_schedule():
     assert zb.cotangent_slots == max(zb.table.peak_awaiting_weight)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_no_weight_is_stashed(schedule, recompute):
+  """A stashing backward reads the stage's weights in place: no stash pool array has the
+  shape of a parameter (block weights stacked [L_c, ...], the shared ones), while the vjps'
+  residuals do include the weights (dot(x, w)'s backward needs w). p=4 has a first, a
+  middle and a last chunk (which reads every shared parameter)."""
+  config = _model_config(4, "sequential")
+  graphdef, _, _ = abstract_model(config)
+  params = _params(4, "sequential")
+  shared = {k: v for k, v in params.items() if k != pipeline.BLOCKS}
+  cp = jax.tree.map(lambda a: a[:1], params[pipeline.BLOCKS])    # one chunk: L/p = 1 layer
+  inputs = jnp.asarray(_batch()["inputs"][:3])   # 48 tokens: no activation shaped as a weight
+  plan = plan_lib.make_plan(schedule, 4, 1, 4, overlap=False)
+  found = {}
+
+  def trace(shared, cp):   # traced: the executor builds these inside jit
+    program = pipeline._Chunks(graphdef, shared, 4, recompute, example=(cp, inputs, inputs))
+    found["pools"] = pipeline._Pools(program, plan).arrays
+    for op in plan.ops:
+      if op.kind == "F":
+        _, vjp = program._vjp(op, cp, program.act, inputs)
+        found[op] = [(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves(vjp)]
+    return 0
+  with jax.set_mesh(mesh_lib.make_mesh({"data": 1, "fsdp": 1, "stage": 1, "tensor": 1})):
+    jax.eval_shape(trace, shared, cp)
+  weights = {(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves((params, cp))}
+  stashed = [key[:2] for keys in found.pop("pools").values() for key in keys]
+  assert stashed and not weights & set(stashed)
+  assert len(found) == 3 and all(weights & set(residuals) for residuals in found.values())
+
+
 def _temp_bytes(schedule: str, microbatches: int, recompute: str) -> int:
   """XLA's compiled temp memory per device of a stage=2 step, 2 sequences per microbatch."""
   config = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden=32, num_heads=4, mlp_dim=64,
