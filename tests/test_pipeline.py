@@ -22,6 +22,7 @@ from mscale_jax.errors import ConfigError
 from mscale_jax.model import GPT
 from mscale_jax.parallel import pipeline
 from mscale_jax.parallel import pipeline_plan as plan_lib
+from mscale_jax.parallel import pipeline_pools as pools_lib
 from mscale_jax.model import abstract_model
 from mscale_jax.step import loss_fn
 from mscale_jax.train import Trainer
@@ -193,7 +194,7 @@ def test_no_weight_is_stashed(schedule, recompute):
 
   def trace(shared, cp):   # traced: the executor builds these inside jit
     program = pipeline._Chunks(graphdef, shared, 4, recompute, example=(cp, inputs, inputs))
-    found["pools"] = pipeline._Pools(program, plan).arrays
+    found["pools"] = pools_lib.Pools(program, plan).arrays
     for op in plan.ops:
       if op.kind == "F":
         _, vjp = program._vjp(op, cp, program.act, inputs)
