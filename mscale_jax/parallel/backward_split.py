@@ -90,6 +90,13 @@ class _Plan:
   def _mark_w(self, readable, invars):
     live = {v for v, w in zip(self.outvars, self.w_out) if w and _is_var(v)}
     saved = []
+    # What W can compute again cheaply from the invars (elementwise work on the stash, say;
+    # an invar it cannot read, a scan's carry, is then kept from B): cheaper than keeping
+    # every intermediate from B in memory between the two passes.
+    cheap = set(invars)
+    for eqn in self.eqns:
+      if _is_cheap(eqn) and all(a in cheap for a in eqn.invars if _is_var(a)):
+        cheap.update(o for o in eqn.outvars if _is_var(o))
 
     def save(v):
       if v not in saved:
@@ -97,19 +104,25 @@ class _Plan:
     for i in reversed(range(len(self.eqns))):
       eqn = self.eqns[i]
       used = [o in live for o in eqn.outvars]
-      if i not in self.b_eqns:
+      recompute = i not in self.nested and all(o in cheap for o, u in zip(eqn.outvars, used) if u)
+      if i not in self.b_eqns or recompute:
         if any(used):
           self.w_eqns.add(i)
           live.update(a for a in eqn.invars if _is_var(a))
         continue
-      b_mask = self.nested.get(i, [True] * len(used))
-      for o, u, b in zip(eqn.outvars, used, b_mask):
-        if u and b:
-          save(o)
       if i not in self.nested:
+        for o, u in zip(eqn.outvars, used):
+          if u:
+            save(o)
         continue
-      body = _body(eqn)
-      w_mask = [u and not b for u, b in zip(used, b_mask)]
+      # W's half computes what W uses of it (keeping from B only what it cannot redo
+      # cheaply), but a scan's carries: those come from B.
+      b_mask, body = self.nested[i], _body(eqn)
+      w_mask = list(used)
+      for k in _NESTED[eqn.primitive.name].carries(eqn):
+        if used[k]:
+          save(eqn.outvars[k])
+        w_mask[k] = False
       sub = _Plan.of(body, b_mask, w_mask, _NESTED[eqn.primitive.name].readable(eqn, body))
       self.nested[i] = (sub, b_mask)
       if any(w_mask):
@@ -126,6 +139,17 @@ class _Plan:
     self.saved = list(reversed(saved))
 
 
+# Equations W never runs again to spare a saved value: matmuls and communication.
+_COSTLY = {"dot_general", "conv_general_dilated", "psum", "psum_invariant", "pmax", "pmin",
+           "all_gather", "all_gather_invariant", "reduce_scatter", "psum_scatter", "ppermute",
+           "all_to_all", "pallas_call"}
+
+
+def _is_cheap(eqn) -> bool:
+  return (eqn.primitive.name not in _COSTLY and eqn.primitive.name not in _NESTED
+          and not list(core.jaxprs_in_params(eqn.params)))
+
+
 def _mark_b(eqns, outvars, b_out) -> tuple:
   """(live variables, indices of the equations B runs, {nested equation's index: which of its
   outputs B computes}) for the outputs `b_out` marks."""
@@ -140,7 +164,8 @@ def _mark_b(eqns, outvars, b_out) -> tuple:
     if eqn.primitive.name in _NESTED:
       masks[i] = _NESTED[eqn.primitive.name].b_mask(eqn, used)
       body = _body(eqn)
-      body_live = _mark_b(*_inline(body), masks[i])[0]
+      body_live = _mark_b(*_inline(body), masks[i])[0] | _NESTED[eqn.primitive.name].b_reads(
+          eqn, body)
       live.update(a for a, v in zip(eqn.invars, body.invars) if v in body_live and _is_var(a))
     else:
       live.update(a for a in eqn.invars if _is_var(a))
@@ -203,6 +228,15 @@ class _Scan:
     return [True] * n_carry + used[n_carry:]
 
   @staticmethod
+  def carries(eqn):
+    return range(eqn.params["num_carry"])
+
+  @staticmethod
+  def b_reads(eqn, body):   # every carry's initial value: W may read any iteration's carry
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    return set(body.invars[n_consts:n_consts + n_carry])
+
+  @staticmethod
   def readable(eqn, body):   # consts and xs; a carry W reads comes from B
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
     return {v for k, v in enumerate(body.invars) if not n_consts <= k < n_consts + n_carry}
@@ -215,8 +249,7 @@ class _Scan:
     consts = {v: _read(env, eqn.invars[k]) for k, v in reads if k < n_consts}
     xs = {v: _read(env, eqn.invars[k]) for k, v in reads if k >= n_consts + n_carry}
     carry_vars = body.invars[n_consts:n_consts + n_carry]
-    init = [_read(env, a) if v in sub.b_invars else jax.numpy.zeros(v.aval.shape, v.aval.dtype)
-            for a, v in zip(eqn.invars[n_consts:], carry_vars)]
+    init = [_read(env, a) for a in eqn.invars[n_consts:n_consts + n_carry]]
 
     def step(carry, x):
       inner = {**_body_env(eqn), **consts, **dict(zip(carry_vars, carry)), **dict(zip(xs, x))}
@@ -252,6 +285,14 @@ class _ShardMap:
   @staticmethod
   def b_mask(eqn, used):
     return list(used)
+
+  @staticmethod
+  def carries(eqn):
+    return ()
+
+  @staticmethod
+  def b_reads(eqn, body):
+    return set()
 
   @staticmethod
   def readable(eqn, body):
