@@ -179,10 +179,11 @@ def test_plan_slots_follow_the_schedule():
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 def test_no_weight_is_stashed(schedule, recompute):
-  """A stashing backward reads the stage's weights in place: no stash pool array has the
-  shape of a parameter (block weights stacked [L_c, ...], the shared ones), while the vjps'
-  residuals do include the weights (dot(x, w)'s backward needs w). p=4 has a first, a
-  middle and a last chunk (which reads every shared parameter)."""
+  """A stashing backward reads the stage's weights in place: no stash pool array (nor, for
+  zb_h1, any array B keeps for W: W computes the weight gradients) has the shape of a
+  parameter (block weights stacked [L_c, ...], the shared ones), while the vjps' residuals
+  do include the weights (dot(x, w)'s backward needs w). p=4 has a first, a middle and a
+  last chunk (which reads every shared parameter)."""
   config = _model_config(4, "sequential")
   graphdef, _, _ = abstract_model(config)
   params = _params(4, "sequential")
@@ -195,6 +196,9 @@ def test_no_weight_is_stashed(schedule, recompute):
   def trace(shared, cp):   # traced: the executor builds these inside jit
     program = pipeline._Chunks(graphdef, shared, 4, recompute, example=(cp, inputs, inputs))
     found["pools"] = pools_lib.Pools(program, plan).arrays
+    if plan.split_backward:   # what B keeps for W: activations and cotangents, no weight
+      found["kept"] = {"kept": pools_lib.Kept({(op.first, op.last): program.kept_shapes(op)
+                                               for op in plan.ops if op.kind == "B"}, 1).keys}
     for op in plan.ops:
       if op.kind == "F":
         _, vjp = program._vjp(op, cp, program.act, inputs)
@@ -205,6 +209,8 @@ def test_no_weight_is_stashed(schedule, recompute):
   weights = {(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves((params, cp))}
   stashed = [key[:2] for keys in found.pop("pools").values() for key in keys]
   assert stashed and not weights & set(stashed)
+  kept = [key[:2] for keys in found.pop("kept", {}).values() for key in keys]
+  assert (schedule == "zb_h1") == bool(kept) and not weights & set(kept)
   assert len(found) == 3 and all(weights & set(residuals) for residuals in found.values())
 
 
