@@ -77,23 +77,23 @@ class _Plan:
   w_invars: set = dataclasses.field(default_factory=set)
 
   @classmethod
-  def of(cls, jaxpr, b_out, w_out, readable=None):
+  def of(cls, jaxpr, b_out, w_out, readable=None, redo_from=None):
     """The plan of `jaxpr`; W may read the invars in `readable` (default all) directly, and
-    gets the others it needs (a scan body's carries) from B as saved values."""
+    gets the others it needs (a scan body's carries) from B as saved values. W computes
+    again what cheap equations (elementwise work) derive from the invars in `redo_from`
+    (default `readable`) rather than keeping it from B in memory between the two passes."""
     eqns, outvars = _inline(jaxpr)
     live, b_eqns, masks = _mark_b(eqns, outvars, b_out)
     plan = cls(eqns, outvars, list(b_out), list(w_out), b_eqns, masks,
                {v for v in jaxpr.invars if v in live})
-    plan._mark_w(set(jaxpr.invars) if readable is None else readable, jaxpr.invars)
+    readable = set(jaxpr.invars) if readable is None else readable
+    plan._mark_w(readable, jaxpr.invars, readable if redo_from is None else redo_from)
     return plan
 
-  def _mark_w(self, readable, invars):
+  def _mark_w(self, readable, invars, redo_from):
     live = {v for v, w in zip(self.outvars, self.w_out) if w and _is_var(v)}
     saved = []
-    # What W can compute again cheaply from the invars (elementwise work on the stash, say;
-    # an invar it cannot read, a scan's carry, is then kept from B): cheaper than keeping
-    # every intermediate from B in memory between the two passes.
-    cheap = set(invars)
+    cheap = set(redo_from)
     for eqn in self.eqns:
       if _is_cheap(eqn) and all(a in cheap for a in eqn.invars if _is_var(a)):
         cheap.update(o for o in eqn.outvars if _is_var(o))
@@ -123,7 +123,10 @@ class _Plan:
         if used[k]:
           save(eqn.outvars[k])
         w_mask[k] = False
-      sub = _Plan.of(body, b_mask, w_mask, _NESTED[eqn.primitive.name].readable(eqn, body))
+      # In a body W may redo from every invar: a carry it reads (the layer's input, say) is
+      # then kept from B instead of what the layer derives from it elementwise.
+      sub = _Plan.of(body, b_mask, w_mask, _NESTED[eqn.primitive.name].readable(eqn, body),
+                     set(body.invars))
       self.nested[i] = (sub, b_mask)
       if any(w_mask):
         self.w_eqns.add(i)
