@@ -16,9 +16,11 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
   B         the chunk's vjp applied to the output cotangent (the received message, or 1 for
             the loss): from the stashed residuals, or by running the forward again from the
             stashed input ('full'); weight gradients accumulated, the input cotangent sent
-            back. With a split backward (zb_h1) B computes the input cotangent only and files
-            the output cotangent for
-  W         the weight gradients of that (microbatch, chunk), from the same stash.
+            back. With a split backward (zb_h1, `backward_split`) B computes the input
+            cotangent only and files what its W reads of that work (each weight matmul's
+            output cotangent and input) in kept slots (`pipeline_pools.Kept`) for
+  W         the weight gradients of that (microbatch, chunk), its weight matmuls only, from
+            those and the same stash (the model's first chunk: its whole backward).
 The loss head runs on the last chunk's ticks only and the embedding lookup on the first
 chunk's forward ticks only; the embedding's backward (a scatter-add into the table gradient)
 runs outside the switch, on every tick (zeros but on the first chunk's backward ticks):
