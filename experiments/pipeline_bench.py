@@ -269,8 +269,8 @@ def main(argv):
                     "unpipelined FLOPs per tensor group - 1, checked two-sided against "
                     "expected_overhead (none: 0; selective: attention's QK^T and PV again, "
                     "4 s^2 d per layer and sequence; full: one more forward of every chunk but the"
-                    " last; zb_h1: the same as 1F1B, its W only the weight gradients). Idle ticks compute"
-                    " nothing: the bubble costs time, not FLOPs.",
+                    " last; zb_h1: the same as 1F1B, its W only the weight gradients). Idle "
+                    "ticks compute nothing: the bubble costs time, not FLOPs.",
       "wall_time_note": f"{jax.devices()[0].platform}: on CPU the simulated devices share the "
                         f"host's cores; times show overhead, not pipeline speed-up."})
   print(f"[pipeline_bench] wrote {path}")

@@ -1,7 +1,8 @@
 r"""Draws pipeline schedule tables and records their bubbles, in ticks and in time.
 
   python -m experiments.pipeline_schedule --schedule=zb_h1 --stages=4 --microbatches=8 \
-      [--virtual=1] [--latency=1] [--recompute=none|selective|full] [--out_dir=results/pipeline_schedule]
+      [--virtual=1] [--latency=1] [--recompute=none|selective|full] \
+      [--out_dir=results/pipeline_schedule]
   python -m experiments.pipeline_schedule --all      # every schedule, latency 0 and 1, one record
 
 One row per stage. Forward boxes are blue, backward (B) orange, weight-gradient (W, zb_h1)
