@@ -115,7 +115,8 @@ def action_flops(plan, recompute):
   """{Op: XLA's FLOPs per device} of each op of `plan`, compiled alone on a tensor=2 mesh
   from the executor's own chunk code for one microbatch. XLA's cost analysis counts a while
   body once, so a chunk's layer scan is costed with one layer, and the L / (p * v) - 1 others
-  at the cost of a middle chunk's one layer."""
+  at the cost of a middle chunk's one layer (under a split backward the first chunk's W at a
+  middle chunk's B and W: it runs the whole backward)."""
   import jax
   import jax.numpy as jnp
   from mscale_jax.parallel import pipeline
@@ -134,25 +135,27 @@ def action_flops(plan, recompute):
   def stash(shared, cp, x, tokens, tgt, op):
     return program(shared).forward(op._replace(kind="F"), cp, x, tgt)[1]
 
-  def action(shared, cp, x, tokens, tgt, leaves, op):
+  def action(shared, cp, x, tokens, tgt, leaves, kept, op):
     chunks = program(shared)
     if op.kind == "F":
       return chunks.forward(op, cp, x, tgt)
-    vjp, value = chunks.vjp(op, cp, leaves, tokens, tgt)
     g = jnp.ones((), jnp.float32) if op.last else jnp.ones_like(chunks.act)
-    d_cp, d_sp, d_x = vjp(g)
-    if op.kind == "W":
-      return d_cp, d_sp
-    if plan.split_backward:   # B: the input cotangent only
-      return value, d_x
-    return value, d_cp, d_sp, d_x
+    if plan.split_backward and not op.first:    # the executor's B and W
+      if op.kind == "B":
+        return chunks.backward_input(op, cp, leaves, tgt, g)
+      return chunks.backward_weights(op, kept, cp, leaves, tgt)
+    vjp, value = chunks.vjp(op, cp, leaves, tokens, tgt)
+    return value, vjp(g)
 
   def cost(op):
     shapes = jax.eval_shape(functools.partial(stash, op=op), shared, layer, x, tokens, targets)
-    leaves = [jnp.zeros(a.shape, a.dtype) for a in shapes]
+    zeros = lambda shapes: [jnp.zeros(a.shape, a.dtype) for a in shapes]
+    kept = []
+    if plan.split_backward and op.kind == "W":
+      kept = zeros(jax.eval_shape(lambda s: program(s).kept_shapes(op), shared))
     fn = jax.jit(functools.partial(action, op=op))
-    return fn.lower(shared, layer, x, tokens, targets, leaves).compile().cost_analysis().get(
-        "flops", 0.0)
+    return fn.lower(shared, layer, x, tokens, targets, zeros(shapes), kept).compile(
+        ).cost_analysis().get("flops", 0.0)
 
   out, per_chunk = {}, LAYERS // (p * v)
   with jax.set_mesh(mesh):
@@ -162,7 +165,11 @@ def action_flops(plan, recompute):
       if plan.split_backward and op.kind == "B" and op.first:
         out[op] = 0.0         # files the cotangent for its W, computes nothing
       else:
-        out[op] = cost(op) + (per_chunk - 1) * cost(op._replace(first=False, last=False))
+        middle = op._replace(first=False, last=False)
+        rest = cost(middle)
+        if plan.split_backward and op.kind == "W" and op.first:
+          rest += cost(middle._replace(kind="B"))   # its W runs the whole backward
+        out[op] = cost(op) + (per_chunk - 1) * rest
   return out
 
 
@@ -204,7 +211,7 @@ def pipelined(schedule, microbatches, recompute):
           "step_s": step_s}, costs
 
 
-def expected_overhead(row, costs, base):
+def expected_overhead(row, base):
   """What the table should cost over stage=1, as a fraction of stage=1's FLOPs, from
   references the executor does not shape: recompute='none' runs no forward twice (0);
   'selective' redoes attention's core: QK^T and PV once more per layer and sequence,
@@ -213,17 +220,14 @@ def expected_overhead(row, costs, base):
   recorded, not used);
   'full' recomputes the forward of every chunk but the last (whose forward runs in its
   backward only): stage=1 with every layer rematerialised, less the last chunk's share. A
-  split backward adds what its W derives again: the cotangent chain, the cost of B on every
-  chunk but the first (whose B sends nothing)."""
+  split backward (zb_h1) adds nothing: W computes only the weight gradients, from what B
+  kept (`parallel/backward_split.py`)."""
   flat, chunks, m = base["flops_per_device"], STAGES * row["virtual"], row["microbatches"]
   extra = 0.0
   if row["recompute"] == "full":
     extra = (base["flops_per_device_remat"] - flat) * (chunks - 1) / chunks
   if row["recompute"] == "selective":   # attention's core again: QK^T and PV, 2*b*s^2*d each
     extra = LAYERS * 2 * 2 * m * MICRO * SEQ**2 * HIDDEN / TENSOR
-  if row["schedule"] == "zb_h1":
-    b_cost = {(op.first, op.last): f for op, f in costs.items() if op.kind == "B"}
-    extra += m * ((chunks - 2) * b_cost[False, False] + b_cost[False, True])
   return extra / flat
 
 
@@ -244,7 +248,7 @@ def main(argv):
         # stage=1 runs the same batch on TENSOR devices; the pipeline on STAGES * TENSOR.
         flat = base["flops_per_device"]
         row["flops_overhead"] = row["flops_all_stages"] / flat - 1
-        row["expected_overhead"] = expected_overhead(row, costs, base)
+        row["expected_overhead"] = expected_overhead(row, base)
         row["flops_check"] = abs(row["flops_overhead"] - row["expected_overhead"]) <= TOLERANCE
         rows.append(row)
         print(f"[pipeline_bench] {schedule:>16} m={m:>2} recompute={recompute:<4}: temp "
@@ -265,8 +269,8 @@ def main(argv):
                     "unpipelined FLOPs per tensor group - 1, checked two-sided against "
                     "expected_overhead (none: 0; selective: attention's QK^T and PV again, "
                     "4 s^2 d per layer and sequence; full: one more forward of every chunk but the"
-                    " last; zb_h1: its W derives the cotangent chain again). Idle ticks compute"
-                    " nothing: the bubble costs time, not FLOPs.",
+                    " last; zb_h1: the same as 1F1B, its W only the weight gradients). Idle "
+                    "ticks compute nothing: the bubble costs time, not FLOPs.",
       "wall_time_note": f"{jax.devices()[0].platform}: on CPU the simulated devices share the "
                         f"host's cores; times show overhead, not pipeline speed-up."})
   print(f"[pipeline_bench] wrote {path}")

@@ -1,13 +1,15 @@
 r"""Draws pipeline schedule tables and records their bubbles, in ticks and in time.
 
   python -m experiments.pipeline_schedule --schedule=zb_h1 --stages=4 --microbatches=8 \
-      [--virtual=1] [--latency=1] [--recompute=none|full] [--out_dir=results/pipeline_schedule]
+      [--virtual=1] [--latency=1] [--recompute=none|selective|full] \
+      [--out_dir=results/pipeline_schedule]
   python -m experiments.pipeline_schedule --all      # every schedule, latency 0 and 1, one record
 
 One row per stage. Forward boxes are blue, backward (B) orange, weight-gradient (W, zb_h1)
 green, darker for later model chunks; each box shows its microbatch number. Without
 --recompute the picture is the executor's tick grid; with it, boxes are as long as their pass
-(`schedule.pass_costs`: F=1, B=1 or 2 with full recompute, W=1, in units of a microbatch's
+(`schedule.pass_costs`: F=1, B=1, 1.027 with selective recompute (GPT-3 175B's
+attention core) or 2 with full recompute, W=1, in units of a microbatch's
 forward through a whole stage, so an interleaved chunk's passes are 1/v of that) and every
 message takes --hop of those units, whatever the table's latency (which only shapes its
 order). In lock-step a latency-0 tick ends with its send; a latency-1 tick overlaps it. The records give the idle ticks, the

@@ -22,6 +22,7 @@ from mscale_jax.errors import ConfigError
 from mscale_jax.model import GPT
 from mscale_jax.parallel import pipeline
 from mscale_jax.parallel import pipeline_plan as plan_lib
+from mscale_jax.parallel import pipeline_pools as pools_lib
 from mscale_jax.model import abstract_model
 from mscale_jax.step import loss_fn
 from mscale_jax.train import Trainer
@@ -173,6 +174,44 @@ def test_plan_slots_follow_the_schedule():
     zb = plan_lib.make_plan("zb_h1", 4, 1, m, overlap=False)
     assert zb.split_backward and zb.stash_slots[plan_lib.MAIN] <= 4
     assert zb.cotangent_slots == max(zb.table.peak_awaiting_weight)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_no_weight_is_stashed(schedule, recompute):
+  """A stashing backward reads the stage's weights in place: no stash pool array (nor, for
+  zb_h1, any array B keeps for W: W computes the weight gradients) has the shape of a
+  parameter (block weights stacked [L_c, ...], the shared ones), while the vjps' residuals
+  do include the weights (dot(x, w)'s backward needs w). p=4 has a first, a middle and a
+  last chunk (which reads every shared parameter)."""
+  config = _model_config(4, "sequential")
+  graphdef, _, _ = abstract_model(config)
+  params = _params(4, "sequential")
+  shared = {k: v for k, v in params.items() if k != pipeline.BLOCKS}
+  cp = jax.tree.map(lambda a: a[:1], params[pipeline.BLOCKS])    # one chunk: L/p = 1 layer
+  inputs = jnp.asarray(_batch()["inputs"][:3])   # 48 tokens: no activation shaped as a weight
+  plan = plan_lib.make_plan(schedule, 4, 1, 4, overlap=False)
+  found = {}
+
+  def trace(shared, cp):   # traced: the executor builds these inside jit
+    program = pipeline._Chunks(graphdef, shared, 4, recompute, example=(cp, inputs, inputs))
+    found["pools"] = pools_lib.Pools(program, plan).arrays
+    if plan.split_backward:   # what B keeps for W: activations and cotangents, no weight
+      found["kept"] = {"kept": pools_lib.Kept({(op.first, op.last): program.kept_shapes(op)
+                                               for op in plan.ops if op.kind == "B"}, 1).keys}
+    for op in plan.ops:
+      if op.kind == "F":
+        _, vjp = program._vjp(op, cp, program.act, inputs)
+        found[op] = [(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves(vjp)]
+    return 0
+  with jax.set_mesh(mesh_lib.make_mesh({"data": 1, "fsdp": 1, "stage": 1, "tensor": 1})):
+    jax.eval_shape(trace, shared, cp)
+  weights = {(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree.leaves((params, cp))}
+  stashed = [key[:2] for keys in found.pop("pools").values() for key in keys]
+  assert stashed and not weights & set(stashed)
+  kept = [key[:2] for keys in found.pop("kept", {}).values() for key in keys]
+  assert (schedule == "zb_h1") == bool(kept) and not weights & set(kept)
+  assert len(found) == 3 and all(weights & set(residuals) for residuals in found.values())
 
 
 def _temp_bytes(schedule: str, microbatches: int, recompute: str) -> int:

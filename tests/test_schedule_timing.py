@@ -23,8 +23,8 @@ def _random_costs(rng, ordered=False):
 def test_pass_costs_follow_the_matmul_count():
   assert S.pass_costs("none", 2.0) == {"F": 2.0, "B": 2.0, "W": 2.0}
   assert S.pass_costs("full", 2.0) == {"F": 2.0, "B": 4.0, "W": 2.0}   # forward again in B
-  with pytest.raises(ValueError, match="full, none"):
-    S.pass_costs("selective")
+  with pytest.raises(ValueError, match="full, selective, none"):
+    S.pass_costs("sometimes")
 
 
 @pytest.mark.parametrize("schedule,p,v,m", CASES)
@@ -123,3 +123,20 @@ def test_pipeline_schedule_record_and_picture(tmp_path):
   path = tmp_path / "zb.png"
   pipeline_schedule.draw(table, str(path), "full", 0.1)
   assert path.stat().st_size > 10_000
+
+
+def test_selective_recomputes_attentions_core_before_b():
+  """'selective' runs attention's core again in B: B = F (1 + share), W = F; the share is
+  the attention term of the Megatron formula (`flops.megatron_flops_per_token`: 1 + s/(6h)
+  per 72 l h^2) over the whole forward."""
+  from mscale_jax.flops import megatron_flops_per_token
+  assert S.pass_costs("selective", 2.0, attention_core=0.25) == {"F": 2.0, "B": 2.5, "W": 2.0}
+  for h, s in ((256, 256), (12288, 2048), (1024, 8192)):
+    attention = megatron_flops_per_token(1, h, s, 0) - megatron_flops_per_token(1, h, 0, 0)
+    share = attention / megatron_flops_per_token(1, h, s, 0)
+    assert S.attention_core_share(h, s) == pytest.approx(share)
+  default = S.pass_costs("selective")
+  assert default["B"] == pytest.approx(1 + S.attention_core_share(12288, 2048))
+  assert S.pass_costs("none")["B"] < default["B"] < S.pass_costs("full")["B"]
+  with pytest.raises(ValueError, match="attention_core"):
+    S.pass_costs("selective", attention_core=1.5)

@@ -16,9 +16,11 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
   B         the chunk's vjp applied to the output cotangent (the received message, or 1 for
             the loss): from the stashed residuals, or by running the forward again from the
             stashed input ('full'); weight gradients accumulated, the input cotangent sent
-            back. With a split backward (zb_h1) B computes the input cotangent only and files
-            the output cotangent for
-  W         the weight gradients of that (microbatch, chunk), from the same stash.
+            back. With a split backward (zb_h1, `backward_split`) B computes the input
+            cotangent only and files what its W reads of that work (each weight matmul's
+            output cotangent and input) in kept slots (`pipeline_pools.Kept`) for
+  W         the weight gradients of that (microbatch, chunk), its weight matmuls only, from
+            those and the same stash (the model's first chunk: its whole backward).
 The loss head runs on the last chunk's ticks only and the embedding lookup on the first
 chunk's forward ticks only; the embedding's backward (a scatter-add into the table gradient)
 runs outside the switch, on every tick (zeros but on the first chunk's backward ticks):
@@ -49,7 +51,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mscale_jax.mesh import RESIDUAL, constrain
+from mscale_jax.parallel import backward_split
 from mscale_jax.parallel import pipeline_plan as plan_lib
+from mscale_jax.parallel import pipeline_pools as pools_lib
 from mscale_jax.parallel import schedule as schedule_lib
 
 AXIS = "stage"
@@ -159,7 +163,10 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   program = _Chunks(graphdef, shared, m, recompute,
                     example=(jax.tree.map(lambda a: a[0], chunks), inputs[0], targets[0]))
   act = program.act
-  pools = _Pools(program, plan)
+  pools = pools_lib.Pools(program, plan)
+  if plan.split_backward:
+    kept = pools_lib.Kept({(op.first, op.last): program.kept_shapes(op) for op in plan.ops
+                           if op.kind == schedule_lib.BACKWARD}, plan.cotangent_slots)
 
   def accumulate(state, c, d_cp, d_sp):
     grad_chunks = jax.tree.map(lambda a, b: a.at[c].add(b), state["grad_chunks"], d_cp)
@@ -192,24 +199,27 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
 
   def backward(op, state, t):
     g = seed(op, t)
-    if plan.split_backward:   # B: the input cotangent only; W gets the output cotangent
-      if not op.last:
-        state = {**state, "cot_out": g}
-      if op.first:    # nothing to send; its W back-propagates into the embedding
-        return state, act, act
-      vjp, value = backward_of(op, state, t)
-      state = state if value is None else add_loss(state, value)
-      return state, act, vjp(g)[2]
+    if plan.split_backward:   # B: the input cotangent; W gets what it needs of B's work
+      if op.first:    # nothing to send; its W runs the whole backward, into the embedding
+        return {**state, "cot_out": kept.record(op, [g])}, act, act
+      leaves = pools.load(t["pools"], op, t["stash_slots"])
+      d_x, value, saved = program.backward_input(op, t["cp"], leaves, t["tgt"], g)
+      state = {**add_loss(state, value), "cot_out": kept.record(op, saved)}
+      return state, act, d_x
     vjp, value = backward_of(op, state, t)
     state = state if value is None else add_loss(state, value)
     d_cp, d_sp, d_x = vjp(g)
     return accumulate(state, t["c"], d_cp, d_sp), act, d_x
 
   def weight(op, state, t):
-    g = jnp.ones((), jnp.float32) if op.last else t["cot_in"]
-    vjp, _ = backward_of(op, state, t)
-    d_cp, d_sp, d_x = vjp(g)
-    return accumulate(state, t["c"], d_cp, d_sp), act, (d_x if op.first else act)
+    saved = kept.load(t["cots"], op, t["cot_slot"])
+    if op.first:
+      vjp, _ = backward_of(op, state, t)
+      d_cp, d_sp, d_x = vjp(saved[0])
+      return accumulate(state, t["c"], d_cp, d_sp), act, d_x
+    leaves = pools.load(t["pools"], op, t["stash_slots"])
+    d_cp, d_sp = program.backward_weights(op, saved, t["cp"], leaves, t["tgt"])
+    return accumulate(state, t["c"], d_cp, d_sp), act, act
 
   def idle(op, state, t):
     return state, act, act
@@ -226,8 +236,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
                                                                   op.last) for op in plan.ops])
            for pool in (plan_lib.MAIN, plan_lib.LAST)}
   slot_field = {plan_lib.MAIN: "stash_slot", plan_lib.LAST: "last_slot"}
-  files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD and not op.last
-                           for op in plan.ops]) & plan.split_backward
+  files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD for op in plan.ops])
   big = ("inbox", "out_f", "out_b", "pools", "cot")
   embeds_back = jnp.asarray([op.first and op.kind == (
       schedule_lib.WEIGHT if plan.split_backward else schedule_lib.BACKWARD) for op in plan.ops])
@@ -246,7 +255,8 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
       t["stash_slots"] = {pool: slot(name) for pool, name in slot_field.items()}
       state["stash_out"] = pools.blank()
     if "cot" in carry:
-      t["cot_in"], state["cot_out"] = carry["cot"][slot("cot_slot")], act
+      t["cots"], t["cot_slot"] = carry["cot"], slot("cot_slot")
+      state["cot_out"] = kept.blank()
     state, out_f, out_b = jax.lax.switch(f["op"], branches, state, t)
     if recompute is not None and program.replicated:
       # The embedding's backward, on every tick and stage (outside the switch: see
@@ -264,7 +274,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
       state["pools"] = pools.write(carry["pools"], state.pop("stash_out"), write)
     if "cot" in carry:
       write = jnp.where(files_cot[f["op"]], slot("cot_slot"), plan.cotangent_slots)
-      state["cot"] = carry["cot"].at[write].set(state.pop("cot_out"))
+      state["cot"] = kept.write(carry["cot"], state.pop("cot_out"), write)
     if overlap:   # send the previous tick's outputs while this tick computed
       send_f, send_b = carry["out_f"], carry["out_b"]
     else:
@@ -284,7 +294,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     carry.update(pools=pools.zeros(), grad_chunks=jax.tree.map(jnp.zeros_like, chunks),
                  grad_shared=grad_shared)
   if plan.split_backward:
-    carry.update(cot=_slots(plan.cotangent_slots + 1, act))
+    carry.update(cot=kept.zeros())
   if overlap:
     carry.update(out_f=act, out_b=act)
   rows = {k: jnp.asarray(a) for k, a in plan.fields.items()}
@@ -379,6 +389,43 @@ class _Chunks:
     residuals = [next(leaves) if i is None else params[i] for i in where]
     return jax.tree.unflatten(structure, residuals), None
 
+  def _backward(self, op):
+    """(b, w) of `op`'s backward split by `backward_split`: B the input cotangent and the
+    loss share (0 unless recomputed), W the parameter gradients; W reads no cotangent."""
+    def fn(cp, leaves, tgt, g):
+      vjp, value = self.vjp(op, cp, leaves, None, tgt)
+      d_cp, d_sp, d_x = vjp(g)
+      return (d_x, jnp.zeros((), jnp.float32) if value is None else value), (d_cp, d_sp)
+    return backward_split.split(fn, b_outputs=2, b_only=1)
+
+  def backward_input(self, op, cp, leaves, tgt, g):
+    """B of a split backward (not the model's first chunk): (d_x, loss share or 0, the values
+    `backward_weights` reads)."""
+    (d_x, value), saved = self._backward(op)[0](cp, leaves, tgt, g)
+    return d_x, value, saved
+
+  def backward_weights(self, op, saved, cp, leaves, tgt):
+    """W of a split backward: (d_cp, d_sp) from what `backward_input` kept."""
+    g = self._seed_shape(op)
+    g = jnp.zeros(g.shape, g.dtype)     # read by no equation of W: B kept what W needs of it
+    grads = self._backward(op)[1](saved, cp, leaves, tgt, g)
+    return jax.tree.unflatten(jax.tree.structure((cp, self._own(op))), grads)
+
+  def _seed_shape(self, op):
+    """The output cotangent's shape: the loss's (a float32 scalar) or the activations'."""
+    return jax.ShapeDtypeStruct(*(((), jnp.float32) if op.last else
+                                  (self.act.shape, self.act.dtype)))
+
+  def kept_shapes(self, op) -> list:
+    """ShapeDtypeStructs of what the split backward's B of `op` keeps for its W (the model's
+    first chunk: its output cotangent, as its W runs the whole backward)."""
+    g = self._seed_shape(op)
+    if op.first:
+      return [g]
+    cp, _, tgt = self.example
+    return jax.eval_shape(lambda cp, leaves, g: self.backward_input(op, cp, leaves, tgt, g)[2],
+                          cp, self.stash_shapes(op), g)
+
   def _parameter_residuals(self, op, cp, vjp) -> list:
     """Per residual leaf of `vjp`: the index of the parameter leaf (of (cp, the shared
     parameters `op` reads)) it is, or None for an activation. The backward reads the weights
@@ -407,66 +454,6 @@ class _Chunks:
       structure = jax.tree.structure(jax.eval_shape(trace, cp, self.act, tgt))
       self._layouts[key] = structure, where
     return self._layouts[key]
-
-
-class _Pools:
-  """Stash slots: one array [slots, *shape] per stashed leaf, in two pools. Every chunk's
-  forward files into `plan_lib.MAIN` (slot: the plan's `stash_slot`), where the j-th leaf of
-  a (shape, dtype) in one op's stash goes where the j-th such leaf of another op's goes. The
-  model's last chunk files there too, and what no other chunk stashes (the loss head's
-  residuals: logits, targets) into `plan_lib.LAST` (slot: `last_slot`), sized by its own
-  lifetimes."""
-
-  def __init__(self, program: _Chunks, plan: plan_lib.Plan):
-    self.plan, self.layout = plan, {}
-    self.arrays = {plan_lib.MAIN: [], plan_lib.LAST: []}
-    forwards = [op for op in plan.ops if op.kind == schedule_lib.FORWARD]
-    for op in sorted(forwards, key=lambda op: op.last):   # the last chunk's after the others
-      seen, where = {}, []
-      for leaf in program.stash_shapes(op):
-        key = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
-        key = key + (seen.get(key, 0),)
-        seen[key[:2]] = key[2] + 1
-        main = self.arrays[plan_lib.MAIN]
-        pool = plan_lib.MAIN if key in main or not op.last or len(forwards) == 1 else plan_lib.LAST
-        keys = self.arrays[pool]
-        if key not in keys:
-          keys.append(key)
-        where.append((pool, keys.index(key)))
-      self.layout[op.first, op.last] = where
-    self.act_shape = program.act.shape
-
-  def zeros(self) -> dict:
-    """The pools, each array [slots + 1, *shape]: the last slot takes writes of ticks that
-    file nothing."""
-    out = {}
-    for pool, keys in self.arrays.items():
-      slots = self.plan.stash_slots[pool] + 1
-      out[pool] = [jnp.zeros((slots,) + shape, dtype) for shape, dtype, _ in keys]
-      out[pool] = [constrain(a, (None,) + RESIDUAL) if a.shape[1:] == self.act_shape
-                   else a for a in out[pool]]
-    return out
-
-  def blank(self) -> dict:
-    """A record of one slot of every array, zeros (what a tick that files nothing writes)."""
-    return {pool: [jnp.zeros(shape, dtype) for shape, dtype, _ in keys]
-            for pool, keys in self.arrays.items()}
-
-  def record(self, op, leaves) -> dict:
-    """`blank()` with `op`'s stashed leaves in their places."""
-    out = self.blank()
-    for leaf, (pool, k) in zip(leaves, self.layout[op.first, op.last]):
-      out[pool][k] = leaf
-    return out
-
-  def load(self, pools: dict, op, slots: dict) -> list:
-    """`op`'s stashed leaves, from slot `slots[pool]` of each pool."""
-    return [pools[pool][k][slots[pool]] for pool, k in self.layout[op.first, op.last]]
-
-  def write(self, pools: dict, record: dict, slots: dict) -> dict:
-    """`pools` with `record` written into slot `slots[pool]` of each pool."""
-    return {pool: [a.at[slots[pool]].set(r) for a, r in zip(arrays, record[pool])]
-            for pool, arrays in pools.items()}
 
 
 # With one stage a collective over 'stage' is the identity; XLA's partitioner refuses some

@@ -33,7 +33,7 @@ from mscale_jax.parallel.schedule_graph import (BACKWARD, FORWARD, WEIGHT, Actio
                                                 message_target)
 from mscale_jax.parallel.schedule_place import list_schedule, place
 from mscale_jax.parallel.schedule_timing import (RECOMPUTES, UNIT, Timeline, action_durations,
-                                                 pass_costs)
+                                                 attention_core_share, pass_costs)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 SPLIT_BACKWARD = ("zb_h1",)      # schedules whose backward is B (input grad) + W (weight grad)
@@ -41,7 +41,7 @@ SPLIT_BACKWARD = ("zb_h1",)      # schedules whose backward is B (input grad) + 
 __all__ = ["SCHEDULES", "SPLIT_BACKWARD", "FORWARD", "BACKWARD", "WEIGHT", "Action", "Message",
            "Table", "build", "check", "summary", "megatron_summary", "stage_order",
            "warmup_forwards", "inflight_cap", "forward_groups", "Timeline", "pass_costs",
-           "RECOMPUTES"]
+           "RECOMPUTES", "attention_core_share"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,11 @@ of one chunk's forward:
 
   recompute   F   B (input grad)   W (weight grad)   whole backward
   none        1   1                1                 2
+  selective   1   1 + a            1                 2 + a
   full        1   2                1                 3
+
+where a is attention's core (QK^T, softmax, PV) as a share of the forward, which selective
+recomputation (Korthikanti et al., 2022) runs again before B (`attention_core_share`).
 
 (The issue measured ~2.7x for the recomputing backward on CPU; give measured costs where you
 have them.) Pure Python.
@@ -19,17 +23,36 @@ import functools
 from mscale_jax.errors import ConfigError
 from mscale_jax.parallel.schedule_graph import BACKWARD, FORWARD, WEIGHT
 
-RECOMPUTES = ("full", "none")
+RECOMPUTES = ("full", "selective", "none")
 UNIT = {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
 
 
-def pass_costs(recompute: str, forward: float = 1.0) -> dict:
+def attention_core_share(hidden: int, seq_len: int, mlp_dim: int | None = None,
+                         gates: int = 1) -> float:
+  """Attention's core (QK^T and PV over the full causal matrix) as a share of a layer's
+  forward matmul FLOPs, counted as `flops.model_flops_per_token` counts them: per token
+  4 s h of 8 h^2 + 2 (gates + 1) h F + 4 s h (F = mlp_dim, default 4h; gates=2 for SwiGLU).
+  With F = 4h this is s / (6h + s)."""
+  f = 4 * hidden if mlp_dim is None else mlp_dim
+  core = 4.0 * seq_len * hidden
+  return core / (2.0 * (4 * hidden * hidden + (gates + 1) * hidden * f) + core)
+
+
+# The paper's GPT-3 175B at seq 2048: the default share for 'selective' (2.7%).
+ATTENTION_CORE_175B = attention_core_share(12288, 2048)
+
+
+def pass_costs(recompute: str, forward: float = 1.0,
+               attention_core: float = ATTENTION_CORE_175B) -> dict:
   """{F, B, W: time} of one chunk's passes for `recompute` (module table), given the time of
-  its forward. Raises ConfigError for an unknown `recompute`."""
+  its forward and, for 'selective', attention's core share of it (`attention_core_share`).
+  Raises ConfigError for an unknown `recompute` or a share outside [0, 1)."""
   if recompute not in RECOMPUTES:
     raise ConfigError("recompute", recompute, f"one of {', '.join(RECOMPUTES)}")
-  backward_input = 2.0 * forward if recompute == "full" else forward
-  return {FORWARD: forward, BACKWARD: backward_input, WEIGHT: forward}
+  if not 0.0 <= attention_core < 1.0:
+    raise ConfigError("attention_core", attention_core, "a share of the forward in [0, 1)")
+  again = {"full": 1.0, "selective": attention_core, "none": 0.0}[recompute]
+  return {FORWARD: forward, BACKWARD: forward * (1.0 + again), WEIGHT: forward}
 
 
 def action_durations(costs: dict, split: bool) -> dict:
