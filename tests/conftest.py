@@ -64,3 +64,18 @@ def tiny_config():
     return base.replace(**sections)
 
   return make
+
+
+@pytest.fixture
+def cuda_target():
+  """A context in which Pallas kernels lower for CUDA on this CPU-only machine: JAX 0.11 takes
+  the GPU's kind (for Triton's compute capability) from the abstract mesh, an H100 here; 0.10
+  needs nothing."""
+  import contextlib
+  import jax
+  if jax.__version_info__ < (0, 11):
+    return contextlib.nullcontext()
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+  device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+  return use_abstract_mesh(AbstractMesh((1,), ("gpu",), (AxisType.Auto,),
+                                        abstract_device=device))

@@ -261,7 +261,7 @@ def test_bad_shapes_raise_config_error():
 
 
 @pytest.mark.parametrize("causal,window", [(True, None), (True, 64), (False, 48)])
-def test_lowers_to_triton_for_gpu(monkeypatch, causal, window):
+def test_lowers_to_triton_for_gpu(monkeypatch, cuda_target, causal, window):
   """Cross-lowers fwd+bwd for 'cuda' on this CPU machine: Triton IR is generated (not compiled).
 
   The backend choice is patched to Triton, so the GPU defaults (blocks, warps) are exercised.
@@ -271,8 +271,9 @@ def test_lowers_to_triton_for_gpu(monkeypatch, causal, window):
   spec = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
   def loss(q, k, v):
     return flash_attention(q, k, v, causal=causal, window=window).astype(jnp.float32).sum()
-  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(spec, spec, spec).lower(
-      lowering_platforms=("cuda",))
+  with cuda_target:
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(spec, spec, spec).lower(
+        lowering_platforms=("cuda",))
   assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3   # fwd, dq, dk/dv kernels
 
 

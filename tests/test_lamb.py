@@ -1,4 +1,5 @@
 """pallas_kernels.lamb.fused_lamb against optax.lamb (Pallas interpreter on CPU)."""
+import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,7 +111,7 @@ def test_sharded_params_match_optax_lamb():
 
 
 @pytest.mark.parametrize("platform,backend", [("cuda", "gpu"), ("tpu", "tpu")])
-def test_lowers_for_accelerators(monkeypatch, platform, backend):
+def test_lowers_for_accelerators(monkeypatch, cuda_target, platform, backend):
   # Lowering (not compiling) checks block shapes, power-of-two sizes and primitive support.
   from jax import export
   from pallas_kernels import lamb
@@ -123,8 +124,9 @@ def test_lowers_for_accelerators(monkeypatch, platform, backend):
   step = lambda grads, params: tx.update(grads, tx.init(params), params)
   checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
             export.DisabledSafetyCheck.custom_call("tpu_custom_call")]
-  exported = export.export(jax.jit(step), platforms=[platform],
-                           disabled_checks=checks)(params, params)
+  with cuda_target if platform == "cuda" else contextlib.nullcontext():
+    exported = export.export(jax.jit(step), platforms=[platform],
+                             disabled_checks=checks)(params, params)
   assert "custom_call" in exported.mlir_module()
 
 

@@ -206,6 +206,16 @@ def _run_w(plan: _Plan, env: dict) -> list:
   return [_read(env, v) for v, w in zip(plan.outvars, plan.w_out) if w]
 
 
+def _scan_counts(eqn) -> tuple[int, int]:
+  """(consts, carries) of a scan equation: JAX 0.10 names the counts; 0.11 gives flat trees
+  of (consts, carry, xs) as `ft_in`."""
+  p = eqn.params
+  if "num_carry" in p:
+    return p["num_consts"], p["num_carry"]
+  consts, carry, _ = p["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
 def _body(eqn):
   j = eqn.params["jaxpr"]
   return getattr(j, "jaxpr", j)
@@ -227,27 +237,27 @@ class _Scan:
 
   @staticmethod
   def b_mask(eqn, used):
-    n_carry = eqn.params["num_carry"]
+    n_carry = _scan_counts(eqn)[1]
     return [True] * n_carry + used[n_carry:]
 
   @staticmethod
   def carries(eqn):
-    return range(eqn.params["num_carry"])
+    return range(_scan_counts(eqn)[1])
 
   @staticmethod
   def b_reads(eqn, body):   # every carry's initial value: W may read any iteration's carry
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = _scan_counts(eqn)
     return set(body.invars[n_consts:n_consts + n_carry])
 
   @staticmethod
   def readable(eqn, body):   # consts and xs; a carry W reads comes from B
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = _scan_counts(eqn)
     return {v for k, v in enumerate(body.invars) if not n_consts <= k < n_consts + n_carry}
 
   @staticmethod
   def run_b(eqn, sub, env):
     p, body = eqn.params, _body(eqn)
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = _scan_counts(eqn)
     reads = _reads(eqn, sub.b_invars)
     consts = {v: _read(env, eqn.invars[k]) for k, v in reads if k < n_consts}
     xs = {v: _read(env, eqn.invars[k]) for k, v in reads if k >= n_consts + n_carry}
@@ -265,7 +275,7 @@ class _Scan:
   @staticmethod
   def run_w(eqn, sub, env, kept):
     p = eqn.params
-    n_consts = p["num_consts"]
+    n_consts = _scan_counts(eqn)[0]
     reads = _reads(eqn, sub.w_invars)
     consts = {v: _read(env, eqn.invars[k]) for k, v in reads if k < n_consts}
     xs = {v: _read(env, eqn.invars[k]) for k, v in reads if k >= n_consts}
