@@ -10,6 +10,7 @@ import jax
 from mscale_jax.callbacks.base import Callback
 from mscale_jax.errors import ConfigError, NonFiniteError
 from mscale_jax.observability.phases import COARSE
+from mscale_jax.replicas import ReplicaDivergenceError
 from mscale_jax.resilience import events
 from mscale_jax.files import write_json
 from mscale_jax.resilience.worker.faults import (FaultInjector, bad_slot_marker,
@@ -44,6 +45,9 @@ class Heartbeats(Callback):
   def on_error(self, run, error):
     if isinstance(error, NonFiniteError):
       self.client.failure(events.NONFINITE, error.detail, step=error.step)
+    elif isinstance(error, ReplicaDivergenceError):
+      self.client.failure(events.REPLICA_DIVERGENCE, str(error), step=error.step,
+                          at_fault=error.culprit)
     elif isinstance(error, Exception) and not isinstance(error, ConfigError):
       self.client.failure(events.EXCEPTION, f"{type(error).__name__}: {error}")
 
