@@ -148,6 +148,7 @@ def test_silent_corruption_is_caught_at_save_and_the_curve_stays_fault_free(refe
   assert result.status == 0 and report["completed"], result.tail()
   [failure] = report["failures"]
   assert failure["kind"] == "replica_divergence" and failure["step"] == 8, failure
+  assert failure["injected"] == "bad_slot:slot=1:step=6" and failure["detection_latency_s"] > 0
   assert "no majority among processes [0, 1]" in failure["detail"]
   assert failure["restore_step"] == 4
   assert list(report["excluded_slots"]) == ["1"]
