@@ -131,3 +131,15 @@ def test_a_divergent_state_is_not_saved_and_the_previous_checkpoint_stays_latest
   summary = healthy.train()
   assert healthy.checkpointer.all_steps() == [4, 8]
   assert all(s["replica_check_s"] >= 0 for s in summary["checkpoint_saves"])
+
+
+def test_a_divergence_is_filed_under_the_bad_slot_that_fired(tmp_path):
+  from mscale_jax.files import write_json
+  from mscale_jax.resilience.driver import claim
+  from mscale_jax.resilience.faults import bad_slot_marker, parse_faults
+  faults = parse_faults(["kill:rank=1:step=3", "bad_slot:slot=2:step=5"])
+  assert claim.bad_slot_fired(str(tmp_path), faults, [0, 2]) is None   # not fired yet
+  write_json(bad_slot_marker(str(tmp_path), 2), {"slot": 2, "step": 5, "rank": 1})
+  assert claim.bad_slot_fired(str(tmp_path), faults, [0, 1]) is None   # not in the group
+  fired = claim.bad_slot_fired(str(tmp_path), faults, [0, 2])
+  assert (fired["fault"], fired["step"]) == ("bad_slot:slot=2:step=5", 5) and fired["time"] > 0

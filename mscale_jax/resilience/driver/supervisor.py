@@ -43,7 +43,7 @@ from mscale_jax.resilience.driver import blame, claim
 from mscale_jax.resilience.driver.injector import OsInjector
 from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
-from mscale_jax.resilience.faults import WORKER, Fault, bad_slot_marker
+from mscale_jax.resilience.faults import WORKER, Fault
 
 
 @dataclasses.dataclass
@@ -424,7 +424,7 @@ class Driver:
     self.injector.failure_detected()
     fired = claim.fired_since(self.state_dir, group.started)
     if fired is None and failure.kind == events.REPLICA_DIVERGENCE:
-      fired = self._bad_slot_fired(group)
+      fired = claim.bad_slot_fired(self.workdir, self.o.faults, group.slots)
     if fired:
       failure.happened_at = fired["time"]
       failure.step = failure.step or fired["step"]
@@ -439,19 +439,6 @@ class Driver:
     self.say(f"detected {failure.kind} on rank {failure.rank}: {failure.detail}"
              + (f" ({latency:.1f} s after the fault)" if latency is not None else ""))
     return record
-
-  def _bad_slot_fired(self, group: _Group) -> dict | None:
-    """The `bad_slot` fault of one of the group's slots that has fired, as a fault marker
-    ({'fault', 'time', 'step'}: when training first ran on the bad slot), or None: the cause
-    of a replica divergence in a drill."""
-    for f in self.o.faults:
-      if f.kind != "bad_slot" or f.slot not in group.slots:
-        continue
-      path = bad_slot_marker(self.workdir, f.slot)
-      if os.path.exists(path):
-        with open(path) as fh:
-          return {"fault": f.spec, "time": os.path.getmtime(path), "step": json.load(fh)["step"]}
-    return None
 
   def _repeats(self, record: dict) -> bool:
     if len(self.failures) < 2 or record.get("injected"):
