@@ -96,7 +96,9 @@ class FaultInjection(Callback):
 class BadSlot(Callback):
   """The `bad_slot` fault on this process (resilience/faults.py): from step `step` on, the
   updated parameters this process holds after each step (what the gradient all-reduce delivered
-  to it) are corrupted by `corrupt_received`, in its first parameter's local shards."""
+  to it) are corrupted by `corrupt_received`, in its first parameter's local shards. Its replicas
+  then differ from the other processes' copies: the next save's replica check refuses them
+  (mscale_jax/replicas.py)."""
 
   def __init__(self, step: int, slot: int):
     self.step, self.slot = step, slot

@@ -16,7 +16,8 @@ parentheses) and who injects them:
   bad_slot   slot, step (1)                        driver (its env): from step `step` on,
                                                    the results of its cross-process collectives
                                                    arrive corrupt (training's parameter updates
-                                                   and the self-check's all-gather alike)
+                                                   and the self-check's all-gather alike); the
+                                                   next save's replica check finds it
 
 Faults of the operating system, injected from outside the training processes by the driver
 (resilience/driver/injector.py) once the group has reached step `step`:

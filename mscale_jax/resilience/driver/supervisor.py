@@ -5,7 +5,8 @@ its own devices; process 0 serves `jax.distributed`'s coordination service), rec
 heartbeats over HTTP/JSON, and declares a failure when a worker
 
   exits non-zero or is killed            (its exit status; kill -9 included)
-  reports an exception or a NaN stop     (its last heartbeat, sent just before it dies)
+  reports an exception, a NaN stop      (its last heartbeat, sent just before it dies)
+    or replicas that disagree at a save
   logs a known fatal line                (events.FATAL_LOG_PATTERNS, in its log file)
   stops advancing                        (hang: no new step within the hang limit, or no
                                           heartbeat at all; compiling gets startup_timeout_s,
