@@ -143,3 +143,18 @@ def test_a_divergence_is_filed_under_the_bad_slot_that_fired(tmp_path):
   assert claim.bad_slot_fired(str(tmp_path), faults, [0, 1]) is None   # not in the group
   fired = claim.bad_slot_fired(str(tmp_path), faults, [0, 2])
   assert (fired["fault"], fired["step"]) == ("bad_slot:slot=2:step=5", 5) and fired["time"] > 0
+
+
+def test_a_worker_reports_the_minority_process_as_the_rank_at_fault():
+  from mscale_jax.callbacks.worker import Heartbeats
+  from mscale_jax.resilience.worker.heartbeat import HeartbeatClient
+  majority = replicas.Divergence("['params']['w']", ((0, 4),), [
+      ((1, 2), [(0, 0), (1, 0), (4, 2)]), ((3, 4), [(2, 1)])])
+  tie = replicas.Divergence("['params']['w']", ((0, 4),), [((1, 2), [(0, 0)]), ((3, 4), [(2, 1)])])
+  for divergence, at_fault in ((majority, 1), (tie, 0)):   # a tie: the reporting rank's own
+    client = HeartbeatClient(rank=0)   # no URL: nothing is sent
+    Heartbeats(client).on_error(None, replicas.ReplicaDivergenceError(110, [divergence]))
+    failure = client.beat.failure
+    assert (failure["kind"], failure["rank"], failure["step"]) == (
+        events.REPLICA_DIVERGENCE, at_fault, 110)
+    assert ("process 1 differs from the majority" in failure["detail"]) == (at_fault == 1)
