@@ -126,7 +126,8 @@ def per_fault_rows(faults: list[str], report: dict, run: dict, run_dir: str,
                    "detection_latency_s": slow.get("detection_latency_s"), **slow,
                    "phases": {"slowdown_s": slow.get("slowdown_s")}})
       continue
-    if spec.startswith("bad_slot"):   # found by the self-check of the next restart
+    if spec.startswith("bad_slot") and f is None:   # found by the next restart's self-check
+      # (a save's replica check finds it first, as its own failure, when it reaches one)
       owner = next((x for x in report["failures"] if (x.get("diagnosis") or {}).get("excluded")),
                    None)
       rows.append({"injected": spec, "kind": "self_check_failed",

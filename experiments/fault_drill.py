@@ -185,7 +185,7 @@ def plot(per_fault: list[dict], figures: dict, path: str) -> None:
   fig, ax = plt.subplots(figsize=(9, 4.2))
   labels = [f["injected"].split(":")[0] + (" at save" if "at=save" in f["injected"] else "")
             + ("\n(found by a restart's\nself-check: no own cost)"
-               if f["injected"].startswith("bad_slot") else "")
+               if f["kind"] == "self_check_failed" else "")
             + ("\n(not flagged)" if f["kind"] == "not flagged" else "")
             + ("\n(rolled back in-process)" if f.get("in_process") else "") for f in per_fault]
   bottom = [0.0] * len(per_fault)
@@ -341,9 +341,10 @@ def main(argv):
       "loss_curve_note": "equal_through_step: how far every loss is bitwise equal to the "
                          "reference's. Two faults can end that by design: the NaN (the last "
                          "fault), rolled back in the process, goes on after the offending batch; "
-                         "a bad slot corrupts the updates from its step on, and a checkpoint "
-                         "written with them before the self-check excluded the slot is restored "
-                         "as it is (nothing rolls back past silently corrupted updates)",
+                         "a bad slot corrupts the updates from its step on (on its replicas "
+                         "only), and the next save's replica check refuses them "
+                         "(replica_divergence), so the restart restores the checkpoint before "
+                         "(older records: such a checkpoint was written and restored as it was)",
       "machine_note": "a shared machine (2 cores, several engineers' jobs): timings are noisy; "
                       f"1-min load average {load[0]:.1f} before the runs, {load[1]:.1f} after "
                       "them. The drill's own two runs (4 workers) load it too; a step of the "

@@ -214,6 +214,9 @@ class TrainConfig:
   checkpoint_every: int = 50
   keep_checkpoints: int = 2
   async_checkpoint: bool = True
+  # Before each save, check that replicated arrays hold the same bits on every replica
+  # (mscale_jax/replicas.py); if not, the save is refused and the run stops.
+  check_replicas: bool = True
   # A step with a non-finite loss or gradient norm never updates the state; then: stop (exit
   # with status 3), skip_step (go on with the next batch) or rollback (restore the latest
   # checkpoint and skip the batches from there through the offending one).

@@ -1,8 +1,9 @@
 """Real multi-process runs (2 processes x 4 CPU devices over gloo) under the driver.
 
-Few and tiny: each attempt compiles the model in every process. Two launcher runs, through
+Few and tiny: each attempt compiles the model in every process. Three launcher runs, through
 experiments/job.py (its own session, a hard timeout, everything it leaves killed): the
-fault-free reference, and one run through three failures and a bad slot. Every test here is
+fault-free reference, one run through three failures and a bad slot, and one whose bad slot
+corrupts training until a save's replica check refuses it. Every test here is
 `slow` (scripts/test.sh --fast leaves them out).
 """
 import json
@@ -133,3 +134,24 @@ def test_the_recovered_curve_equals_the_fault_free_one(reference, faulty):
   assert sorted(resumed) == list(range(1, 13))
   np.testing.assert_allclose([resumed[s] for s in reference], list(reference.values()),
                              rtol=1e-4)
+
+
+def test_silent_corruption_is_caught_at_save_and_the_curve_stays_fault_free(reference,
+                                                                             tmp_path):
+  """bad_slot from step 6: what slot 1's process holds after each step is corrupt, so the two
+  data replicas of the parameters diverge. Step 8's save refuses them (replica_divergence), the
+  job restarts from step 4, the restart's self-check excludes slot 1 and the spare takes its
+  place: the curve is the fault-free one, bit for bit (same mesh, same batches)."""
+  result = launch(tmp_path, "--fault=bad_slot:slot=1:step=6", "--spare_slots=1",
+                  timeout_s=420)
+  report = result.report
+  assert result.status == 0 and report["completed"], result.tail()
+  [failure] = report["failures"]
+  assert failure["kind"] == "replica_divergence" and failure["step"] == 8, failure
+  assert failure["injected"] == "bad_slot:slot=1:step=6" and failure["detection_latency_s"] > 0
+  assert "no majority among processes [0, 1]" in failure["detail"]
+  assert failure["restore_step"] == 4
+  assert list(report["excluded_slots"]) == ["1"]
+  assert [(a["slots"], a["failure"]) for a in report["attempts"]] == [
+      ([0, 1], "replica_divergence"), ([0, 1], "self_check_failed"), ([0, 2], None)]
+  assert losses(tmp_path) == reference

@@ -10,6 +10,7 @@ import jax
 from mscale_jax.callbacks.base import Callback
 from mscale_jax.errors import ConfigError, NonFiniteError
 from mscale_jax.observability.phases import COARSE
+from mscale_jax.replicas import ReplicaDivergenceError
 from mscale_jax.resilience import events
 from mscale_jax.files import write_json
 from mscale_jax.resilience.worker.faults import (FaultInjector, bad_slot_marker,
@@ -44,6 +45,9 @@ class Heartbeats(Callback):
   def on_error(self, run, error):
     if isinstance(error, NonFiniteError):
       self.client.failure(events.NONFINITE, error.detail, step=error.step)
+    elif isinstance(error, ReplicaDivergenceError):
+      self.client.failure(events.REPLICA_DIVERGENCE, str(error), step=error.step,
+                          at_fault=error.culprit)
     elif isinstance(error, Exception) and not isinstance(error, ConfigError):
       self.client.failure(events.EXCEPTION, f"{type(error).__name__}: {error}")
 
@@ -92,7 +96,9 @@ class FaultInjection(Callback):
 class BadSlot(Callback):
   """The `bad_slot` fault on this process (resilience/faults.py): from step `step` on, the
   updated parameters this process holds after each step (what the gradient all-reduce delivered
-  to it) are corrupted by `corrupt_received`, in its first parameter's local shards."""
+  to it) are corrupted by `corrupt_received`, in its first parameter's local shards. Its replicas
+  then differ from the other processes' copies: the next save's replica check refuses them
+  (mscale_jax/replicas.py)."""
 
   def __init__(self, step: int, slot: int):
     self.step, self.slot = step, slot

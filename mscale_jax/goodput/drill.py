@@ -21,8 +21,8 @@ simulated fault-free run, per step. When a record lacks the reference's wall
 time, a record measured against the same reference run (same reference workdir and iteration
 time) lends it; without a reference, records measuring evaluations directly (a 'where_time_went'
 key naming them) use those. Faults that slow the job rather than stop it (contend) and faults
-found only by a later self-check (bad_slot) have no restart of their own: they are listed as
-unplaced.
+found only by a later self-check (a bad slot that no save's replica check met first) have no
+restart of their own: they are listed as unplaced.
 
 The reader is tolerant: fields it does not know are ignored, missing optional ones fall back as
 documented in `read_case`, a fault it cannot place or cost is listed in `DrillCase.unplaced`

@@ -25,8 +25,9 @@ FATAL_LOG = "fatal_log"      # a log line matching FATAL_LOG_PATTERNS
 STRAGGLER = "straggler"      # a rank flagged slow, with the driver's straggler policy 'evict'
 SELF_CHECK_FAILED = "self_check_failed"   # a restarted group's self-check failed a slot
 DRIVER_LOST = "driver_lost"  # the driver died; the same launch command, run again, resumed
+REPLICA_DIVERGENCE = "replica_divergence"   # replicas disagreed before a save (replicas.py)
 FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER, SELF_CHECK_FAILED,
-                 DRIVER_LOST)
+                 DRIVER_LOST, REPLICA_DIVERGENCE)
 
 # Exit statuses of experiments.train beyond 0 (done), 1 (exception) and 2 (bad input).
 EXIT_NONFINITE = 3

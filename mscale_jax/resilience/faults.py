@@ -16,7 +16,8 @@ parentheses) and who injects them:
   bad_slot   slot, step (1)                        driver (its env): from step `step` on,
                                                    the results of its cross-process collectives
                                                    arrive corrupt (training's parameter updates
-                                                   and the self-check's all-gather alike)
+                                                   and the self-check's all-gather alike); the
+                                                   next save's replica check finds it
 
 Faults of the operating system, injected from outside the training processes by the driver
 (resilience/driver/injector.py) once the group has reached step `step`:
@@ -45,6 +46,7 @@ in `resilience/driver/injector.py`. A new kind is a row of `KINDS` plus its inje
 the two. This module is pure Python: the launcher validates specs before anything starts.
 """
 import dataclasses
+import os
 
 from mscale_jax.errors import ConfigError
 
@@ -127,3 +129,9 @@ def parse_fault(spec: str, index: int = 0) -> Fault:
 def parse_faults(specs) -> list[Fault]:
   """Faults of a list of spec strings, indexed in order."""
   return [parse_fault(spec, i) for i, spec in enumerate(specs or ())]
+
+
+def bad_slot_marker(workdir: str, slot: int) -> str:
+  """The file saying slot `slot` has gone bad (written by its worker when training first reached
+  the fault's step; the driver reads it to name a replica divergence's cause)."""
+  return os.path.join(workdir, "resilience", "bad_slots", f"slot{slot}.json")

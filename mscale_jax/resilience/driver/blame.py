@@ -5,7 +5,8 @@ is often not the one at fault: when one worker dies or stops, its peers' collect
 coordination service complain too. The order of evidence, strongest first:
 
   killed by a signal      the killed rank (an abort over a coordination error: the peer it names)
-  reported failure        what a worker said about itself in its last heartbeat
+  reported failure        what a worker said about itself in its last heartbeat (a replica
+                          divergence: the rank whose copies differ from the majority's)
   non-zero exit           the exiting rank (status 2: a bad configuration; see supervisor.py)
   fatal log line          the logging rank, or the peer a coordination-service error names
   hang                    the rank the localiser names (observer.localize_hang), not the one
@@ -81,6 +82,8 @@ def reported(beats: dict, count: int) -> events.Failure | None:
       if peer != rank:
         return events.Failure(events.FATAL_LOG, peer, f"{f['detail'][:300]} (rank {rank} "
                               f"reported it)", step=f.get("step"))
+      if f["kind"] == events.REPLICA_DIVERGENCE and f.get("rank") in range(count):
+        rank = f["rank"]   # the rank whose replicas differ from the majority's
       return events.Failure(f["kind"], rank, f["detail"], step=f.get("step"))
   return None
 

@@ -14,6 +14,7 @@ import signal
 
 from mscale_jax.files import checkpoint_steps, verify_manifest, write_json
 from mscale_jax.resilience import events
+from mscale_jax.resilience.faults import bad_slot_marker
 
 NAME = "driver.json"
 
@@ -131,3 +132,15 @@ def fired_since(state_dir: str, since: float) -> dict | None:
     if marker["time"] >= since:
       markers.append(marker)
   return max(markers, key=lambda m: m["time"], default=None)
+
+
+def bad_slot_fired(workdir: str, faults, slots) -> dict | None:
+  """The `bad_slot` fault among `faults` on one of `slots` that has fired, as a fault marker
+  ({'fault', 'time', 'step'}: when training first ran on the bad slot), or None: what caused a
+  replica divergence in a drill (the worker's marker, faults.bad_slot_marker)."""
+  for f in faults:
+    path = bad_slot_marker(workdir, f.slot) if f.kind == "bad_slot" else None
+    if path and f.slot in slots and os.path.exists(path):
+      with open(path) as fh:
+        return {"fault": f.spec, "time": os.path.getmtime(path), "step": json.load(fh)["step"]}
+  return None

@@ -90,9 +90,11 @@ def _check_ranges(obj: dict, num_ranks: int | None) -> None:
     if failure.get("kind") not in events.FAILURE_KINDS or \
         not isinstance(failure.get("detail"), str) or \
         not _conforms(failure.get("step"), int | None) or \
-        not 0 <= (failure.get("step") or 0) < MAX_COUNT:
+        not 0 <= (failure.get("step") or 0) < MAX_COUNT or \
+        not _conforms(failure.get("rank"), int | None) or \
+        not 0 <= (failure.get("rank") or 0) < (num_ranks or MAX_COUNT):
       bad("failure", f"{{'kind': one of {events.FAILURE_KINDS}, 'detail': str, "
-                     f"'step': int >= 0 or null}}")
+                     f"'step': int >= 0 or null, 'rank': a rank of the group or null}}")
   for item in obj.get("step_phases") or ():
     if not (isinstance(item, list) and len(item) == 2 and _conforms(item[0], int)
             and 0 <= item[0] < MAX_COUNT and _conforms(item[1], dict[str, float])

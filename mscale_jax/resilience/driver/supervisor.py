@@ -5,7 +5,8 @@ its own devices; process 0 serves `jax.distributed`'s coordination service), rec
 heartbeats over HTTP/JSON, and declares a failure when a worker
 
   exits non-zero or is killed            (its exit status; kill -9 included)
-  reports an exception or a NaN stop     (its last heartbeat, sent just before it dies)
+  reports an exception, a NaN stop      (its last heartbeat, sent just before it dies)
+    or replicas that disagree at a save
   logs a known fatal line                (events.FATAL_LOG_PATTERNS, in its log file)
   stops advancing                        (hang: no new step within the hang limit, or no
                                           heartbeat at all; compiling gets startup_timeout_s,
@@ -423,6 +424,8 @@ class Driver:
   def _record(self, failure: events.Failure, group: _Group) -> dict:
     self.injector.failure_detected()
     fired = claim.fired_since(self.state_dir, group.started)
+    if fired is None and failure.kind == events.REPLICA_DIVERGENCE:
+      fired = claim.bad_slot_fired(self.workdir, self.o.faults, group.slots)
     if fired:
       failure.happened_at = fired["time"]
       failure.step = failure.step or fired["step"]

@@ -23,7 +23,7 @@ import threading
 import time
 
 from mscale_jax.files import write_json
-from mscale_jax.resilience.faults import WORKER, Fault
+from mscale_jax.resilience.faults import WORKER, Fault, bad_slot_marker
 
 
 class FaultInjector:
@@ -116,11 +116,6 @@ def corrupt_received(x):
   flat = bad.reshape(-1)   # a view of `bad`
   flat[::97] += (1 + np.abs(flat[::97])).astype(bad.dtype)
   return bad
-
-
-def bad_slot_marker(workdir: str, slot: int) -> str:
-  """The file saying slot `slot` has gone bad (written when training first reached the step)."""
-  return os.path.join(workdir, "resilience", "bad_slots", f"slot{slot}.json")
 
 
 def slot_is_bad(env, workdir: str) -> bool:

@@ -168,10 +168,13 @@ class HeartbeatClient:
     with self._lock:
       self.beat.nonfinite_steps += 1
 
-  def failure(self, kind: str, detail: str, step: int | None = None) -> None:
-    """Reports this worker's own failure right away (it is about to exit)."""
+  def failure(self, kind: str, detail: str, step: int | None = None,
+              at_fault: int | None = None) -> None:
+    """Reports this worker's failure right away (it is about to exit); `at_fault`: the rank
+    the failure is about when the worker knows it is another's (a replica divergence)."""
+    rank = self.rank if at_fault is None else at_fault
     with self._lock:
-      self.beat.failure = events.Failure(kind, self.rank, detail[:4000], step=step).to_json()
+      self.beat.failure = events.Failure(kind, rank, detail[:4000], step=step).to_json()
       self.beat.phase = events.FAILED
     self.post()
 

@@ -1,0 +1,65 @@
+"""What the replica-consistency check before each save costs (mscale_jax/replicas.py).
+
+  python -m experiments.replica_check_cost [--steps=60] [--checkpoint_every=10]
+
+Runs gpt_tiny as the fault drill does (2 processes x 4 CPU devices under the launcher, mesh
+data=2 x tensor=4, so every parameter and optimizer state has one replica per process) and reads
+process 0's per-save figures from its summary.json: `replica_check_s` (the check: the checksum
+program and the all-gather of the table across processes; the first save's includes compiling
+the program), next to `stall_s` (how long the same save then held the loop) and the median step
+time of the same run (its logged intervals, the first left out).
+"""
+import json
+import os
+import statistics
+import tempfile
+
+from absl import app, flags
+
+from experiments import job, results
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
+flags.DEFINE_integer("steps", 60, "Training steps.")
+flags.DEFINE_integer("checkpoint_every", 10, "Steps between saves (each save is checked).")
+flags.DEFINE_string("workdir", None, "Run folder (default: a new temporary one).")
+flags.DEFINE_string("out_dir", None, "Record folder (default: results/).")
+
+
+def main(argv):
+  del argv
+  workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="replica_check_cost-")
+  train = [f"--config={FLAGS.config}", f"--config.train.steps={FLAGS.steps}",
+           f"--config.train.checkpoint_every={FLAGS.checkpoint_every}",
+           f"--config.train.log_every={FLAGS.checkpoint_every}",
+           f"--config.train.eval_every={FLAGS.steps}"]
+  result = job.run(workdir, ["--num_processes=2", "--devices_per_process=4", "--nostandby"],
+                   train, timeout_s=1200, echo=True)
+  if result.status != 0:
+    raise SystemExit(f"the run failed (status {result.status}):\n{result.tail()}")
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  saves = summary["checkpoint_saves"]
+  later = saves[1:]
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:   # the first: right after compiling
+    step_s = statistics.median(json.loads(line)["step_time_s"] for line in list(f)[1:])
+  figures = {
+      "saves": saves,
+      "first_check_s": saves[0]["replica_check_s"],
+      "median_check_s": statistics.median(s["replica_check_s"] for s in later),
+      "median_stall_s": statistics.median(s["stall_s"] for s in later),
+      "median_step_s": step_s,
+      "mesh": summary["mesh"],
+      "num_params": summary.get("num_params"),
+  }
+  device = {"platform": "cpu", "processes": 2, "devices_per_process": 4,
+            "host_cpu_count": os.cpu_count()}
+  path = results.write_record("replica_check_cost-" + summary["config"], figures,
+                              device=device, out_dir=FLAGS.out_dir,
+                              extra={"workdir": workdir})
+  print(json.dumps({k: v for k, v in figures.items() if k != "saves"}, indent=1))
+  print(f"record: {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)
