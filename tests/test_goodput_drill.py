@@ -181,6 +181,16 @@ def test_driver_faults_strike_where_training_stood_and_a_corrupt_checkpoint_cost
     assert simulate.simulate(job, iterations=60, faults=plain).recoveries[0].lost_iterations == 5
 
 
+def test_silent_corruption_costs_the_save_the_replica_check_refused(tmp_path):
+  # Corrupted from step 23; the save at 25 is refused, so the restart restores 20, not 25.
+  figures = _figures(faults=[
+      {"injected": "bad_slot:slot=1:step=23", "kind": "replica_divergence",
+       "detection_latency_s": 0.3, "restart_s": 5.0, "restore_step": 20, "steps_lost": 5}])
+  case = drill.read_case(_record(tmp_path, "sdc", figures, command="--checkpoint_every=5"))
+  assert [(f.at_iteration, f.during_save) for f in case.faults] == [(25, True)]
+  assert drill.predict(case).lost == (5,)
+
+
 def test_a_run_that_itemises_its_own_residual_is_fed_it_not_the_reference_runs(tmp_path):
   # Evaluations and the steps' time over the fed iteration time, measured in the faulty run
   # (its steps ran faster than the reference's: negative); the slowdown is inside the latter,

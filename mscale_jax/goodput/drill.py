@@ -118,6 +118,10 @@ def _placement(fault: dict) -> tuple:
   # worker's before step N runs (or during step N's save).
   fired = _number(fault.get("injected_step"))
   restore, lost = _number(fault.get("restore_step")), _number(fault.get("steps_lost"))
+  if fault.get("kind") == "replica_divergence" and restore is not None and lost is not None:
+    # Silent corruption is found at the next save, which the replica check refuses: the fault
+    # costs that save, and the restart restores the checkpoint before it.
+    return int(restore + lost), True, "the save the replica check refused (as recorded)"
   if (fault.get("by") == "driver" or spec.startswith("nan")) and restore is not None \
       and lost is not None:
     # The driver fires on the step a heartbeat reported (every few seconds), so the fault
