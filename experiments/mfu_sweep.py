@@ -157,17 +157,13 @@ def measure(config, *, steps: int, rounds: int, warmup: int) -> dict:
   return row
 
 
-def run_variant(name: str, base) -> dict:
-  """Measures one variant; an error becomes the row's `error` (the sweep goes on)."""
-  from absl import flags as absl_flags
-  f = absl_flags.FLAGS
+def run_variant(name: str, base, **timing) -> dict:
+  """Measures one variant (`timing`: measure's steps, rounds, warmup); an error becomes the
+  row's `error` and the sweep goes on. main() has validated every variant's config already."""
   changes = overrides(name, base)
   row = {"variant": name, "adds": describe(name), "overrides": changes}
   try:
-    config = base.replace(**changes)
-    from mscale_jax.config import validate
-    validate(config, _device_count(), platform=_platform())
-    row.update(measure(config, steps=f.steps, rounds=f.rounds, warmup=f.warmup))
+    row.update(measure(base.replace(**changes), **timing))
   except Exception as error:  # pylint: disable=broad-except  (OOM, a kernel that won't build)
     row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
     if not isinstance(error, ConfigError):
@@ -246,7 +242,7 @@ def main(argv):
   rows = []
   for name in f.variants:
     print(f"[mfu_sweep] {name}: compiling ...", flush=True)
-    rows.append(run_variant(name, base))
+    rows.append(run_variant(name, base, steps=f.steps, rounds=f.rounds, warmup=f.warmup))
     print(format_row(rows[-1]), flush=True)
     gc.collect()        # the last variant's buffers go before the next one allocates
   figures = {"variants": rows, "ladder": [n for n, _, _ in LADDER],
