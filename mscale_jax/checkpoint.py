@@ -83,12 +83,17 @@ class Checkpointer:
     self.restore_s: float | None = None
     self._lock = threading.Lock()
     self._stalled_until = None
+    self._checked_step = None          # the newest save whose write was checked
     self.set_aside = self._check_newest()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
         # orbax accepts the write-finished callback only from its async checkpointer.
-        async_options=(ocp.AsyncOptions(post_finalization_callback=self._written)
+        # Folders are made before `save` returns, so a directory that refuses them fails the
+        # save there (a failure in orbax's background mkdir leaves its threads waiting
+        # minutes for a signal that never comes, holding the process at exit).
+        async_options=(ocp.AsyncOptions(post_finalization_callback=self._written,
+                                        create_directories_asynchronously=False)
                        if async_save else None))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=ITEMS)
@@ -246,14 +251,32 @@ class Checkpointer:
     try:
       self._manager.check_for_errors()
     except Exception as e:
-      raise self._write_error(self.saves[-1]["step"] if self.saves else None, e) from e
+      raise self._write_error(self._newest_save(), e) from e
+    if not self._manager.is_saving_in_progress():
+      self._check_newest_written()
 
   def wait(self) -> None:
     """Blocks until every started save is on disk (CheckpointWriteError if one failed)."""
     try:
       self._manager.wait_until_finished()
     except Exception as e:
-      raise self._write_error(self.saves[-1]["step"] if self.saves else None, e) from e
+      raise self._write_error(self._newest_save(), e) from e
+    self._check_newest_written()
+
+  def _newest_save(self) -> int | None:
+    return self.saves[-1]["step"] if self.saves else None
+
+  def _check_newest_written(self) -> None:
+    """Once the newest save's background write has ended: CheckpointWriteError unless it left
+    a complete checkpoint. Orbax's own finalizing thread may take a failed write's error first
+    and only log it, so `check_for_errors` alone can miss one."""
+    step = self._newest_save()
+    if step is None or step == self._checked_step:
+      return
+    self._checked_step = step   # reported once
+    if step not in checkpoint_steps(self.directory):
+      raise self._write_error(step, RuntimeError(
+          "its background write ended without a complete checkpoint; the log above says why"))
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager's threads."""

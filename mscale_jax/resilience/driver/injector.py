@@ -3,8 +3,8 @@
 The training code takes no part: the injector acts on the workers' process ids, their CPU
 affinity, the checkpoint files and the checkpoint directory's permissions, as a failing machine,
 a noisy neighbour, bit rot or a full disk would (the kinds and their keys:
-resilience/faults.py). A fault fires once the group has reached its step (the highest step any
-rank's heartbeat reported), at most once per job: before acting, the injector writes a marker
+resilience/faults.py). A fault fires once the whole group has reached its step (`group_step`),
+at most once per job: before acting, the injector writes a marker
 into WORKDIR/resilience/faults/ as the worker-side injector does, so the driver reads when the
 fault happened, and a restarted group (or a restarted driver) does not fire it again.
 """
@@ -30,6 +30,16 @@ _BUSY = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n 
 def marker_path(state_dir: str, fault: Fault) -> str:
   """Where the driver records that `fault` fired (so a restarted driver does not fire it again)."""
   return os.path.join(state_dir, "faults", f"{fault.index}-{fault.kind}-driver.json")
+
+
+def group_step(beats: dict, ranks: int) -> int:
+  """The step every rank has reached: the lowest step of the ranks' latest heartbeats (`beats`:
+  rank -> (heartbeat, time received)), 0 until all `ranks` have sent one. A rank that runs
+  ahead while a peer is stopped does not move it, so a fault due later cannot fire (and be
+  undone by the detection of the first) while an earlier failure is still undetected."""
+  if len(beats) < ranks:
+    return 0
+  return min(beat.step for beat, _ in beats.values())
 
 
 class OsInjector:

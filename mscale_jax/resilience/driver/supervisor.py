@@ -41,7 +41,7 @@ from mscale_jax.files import write_json
 from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
 from mscale_jax.resilience.driver import blame, claim
-from mscale_jax.resilience.driver.injector import OsInjector
+from mscale_jax.resilience.driver.injector import OsInjector, group_step
 from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
 from mscale_jax.resilience.faults import WORKER, Fault
@@ -355,7 +355,7 @@ class Driver:
     beats = {r: (b, t) for r, (b, t) in self.server.latest().items()
              if b.attempt == group.attempt}
     self._note_progress(group, beats)
-    self.injector.poll(group.procs, max((b.step for b, _ in beats.values()), default=0))
+    self.injector.poll(group.procs, group_step(beats, len(group.slots)))
     # Strongest evidence first (blame.py): a killed worker (its peers' errors follow from it),
     # what workers said about themselves, other exits, fatal log lines; then stragglers, hangs.
     return (blame.killed_by_signal(codes, group.logs) or blame.reported(beats, len(group.slots))
