@@ -189,6 +189,10 @@ def test_localize_names_the_rank_that_is_elsewhere():
   assert hang.localize([_report(0, "sync", 50, waiting),
                         _report(1, "data_wait", 50, "data.py:__next__")])["odd_ranks"] == [1]
   assert hang.localize([_report(r, "sync", 9, waiting) for r in range(4)])["odd_ranks"] == []
+  # A stopped rank cannot dump its stacks: at the same phase and step, it is the odd one.
+  stopped = hang.localize([_report(0, "sync", 4, waiting), _report(1, "sync", 4, hang.NO_DUMP)])
+  assert stopped["odd_ranks"] == [1] and "did not answer" in stopped["reason"]
+  assert hang.localize([_report(r, "sync", 4, hang.NO_DUMP) for r in range(2)])["odd_ranks"] == []
   assert hang.format_coords({"data": [1], "fsdp": [0], "tensor": [0, 1, 2, 3]}) == \
       "data 1, fsdp 0, tensor 0-3"
 

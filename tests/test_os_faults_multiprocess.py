@@ -82,4 +82,4 @@ def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path):
   assert lost["kind"] == "driver_lost" and lost["injected"] == "kill_driver:step=5"
   assert lost["restore_step"] in (4, 8)
   assert [a["failure"] for a in report["attempts"]] == ["driver_lost", None]
-  assert logged_steps(tmp_path) == list(range(1, 13))   # no step twice, none missing
+  assert logged_steps(tmp_path) == list(range(1, 17))   # no step twice, none missing

@@ -65,6 +65,10 @@ def where_in_code(frames: list[tuple[str, int, str]], packages=("mscale_jax", "e
   return f"{os.path.basename(frames[0][0])}:{frames[0][2]}" if frames else "unknown"
 
 
+# The code location of a live rank that did not answer the stack-dump signal in time.
+NO_DUMP = "no stack dump"
+
+
 @dataclasses.dataclass
 class RankReport:
   """Where one rank is: its loop phase and step (heartbeat), its code location (stack dump),
@@ -85,8 +89,10 @@ def localize(reports: list[RankReport]) -> dict:
 
   Ranks are grouped by place (loop phase, innermost frame of our code). The largest group is
   where the job is stuck waiting; ranks outside it are the odd ones. On a tie (2 ranks, or
-  several equal groups) the group(s) behind, by step, or else not waiting in 'sync' (a
-  collective waits on them, not the other way round) are the odd ones.
+  several equal groups) the odd ones are the ranks that did not answer the stack-dump signal
+  while others did (a stopped process, or one stuck in the kernel), else the group(s) behind,
+  by step, else those not waiting in 'sync' (a collective waits on them, not the other way
+  round).
   Returns {'odd_ranks', 'groups': [{place, ranks, steps, coords}], 'reason'}.
   """
   groups = collections.defaultdict(list)
@@ -105,6 +111,11 @@ def localize(reports: list[RankReport]) -> dict:
     return {"odd_ranks": odd, "groups": described,
             "reason": f"{sizes[0]} of {len(reports)} ranks are at {ordered[0][0]}; the rest "
                       f"are elsewhere"}
+  silent = sorted(r.rank for r in reports if r.code == NO_DUMP)
+  if 0 < len(silent) < len(reports):
+    return {"odd_ranks": silent, "groups": described,
+            "reason": f"no majority place; ranks {silent} did not answer the stack-dump signal "
+                      f"while the others did (stopped, or stuck in the kernel)"}
   def lowest_step(members):
     return min((r.step for r in members if r.step is not None), default=float("inf"))
   low = min(lowest_step(m) for _, m in ordered)

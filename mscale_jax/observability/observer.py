@@ -274,7 +274,7 @@ class Observer:
       beat = self._latest.get(rank)
       where = beat.where if beat and beat.where else [beat and beat.phase, None, None]
       step = where[1] if where[1] is not None else (beat.step if beat else None)
-      code = hang.where_in_code(dumps.get(rank, [])) if rank in dumps else "no stack dump"
+      code = hang.where_in_code(dumps.get(rank, [])) if rank in dumps else hang.NO_DUMP
       reports.append(hang.RankReport(rank, where[0], step, code, coords.get(rank, {})))
     result = hang.localize(reports)
     record = {"attempt": group.attempt, "failure": failure.to_json(), **result,
