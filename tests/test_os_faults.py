@@ -390,7 +390,9 @@ def test_a_resumed_driver_files_the_dead_ones_failure_and_its_last_self_check(tm
       "group": {"attempt": 4, "slots": [0, 2], "started": 6.0}, "started": 1.0,
       "outcome": None, "restarts": 3, "attempts": [{"attempt": a, "ended": 2.0 + a}
                                                    for a in range(4)],
-      "failures": [io], "excluded": {"1": "corrupt"}})
+      "failures": [io], "excluded": {"1": "corrupt"},
+      "straggler_flags": [{"attempt": 2, "rank": 1, "step": 200, "metric": "host"}],
+      "hang_localisations": [{"attempt": 1, "odd_ranks": [0]}]})
   write_json(str(state / "selfcheck-4" / "verdict.json"),
              {"seconds": 0.7, "results": {}, "excluded": {}})
   write_json(str(state / "faults" / "9-kill_driver-driver.json"),
@@ -408,3 +410,9 @@ def test_a_resumed_driver_files_the_dead_ones_failure_and_its_last_self_check(tm
       ("driver_lost", "kill_driver:step=410", 8.0)
   assert (lost["last_step"], lost["restore_step"], lost["steps_lost"]) == (412, 410, 2)
   assert driver.attempts[-1]["slots"] == [0, 2] and driver.attempts[-1]["started"] == 6.0
+  # The dead driver's straggler flags and hang localisations reach the new driver's report.
+  summary = driver.observer.summary()
+  assert summary["straggler_flags"][0]["step"] == 200
+  assert summary["hang_localisations"] == [{"attempt": 1, "odd_ranks": [0]}]
+  driver._claim([])
+  assert claim.read(str(state))["straggler_flags"] == summary["straggler_flags"]

@@ -220,6 +220,8 @@ class Driver:
     self._started = previous["started"]
     self.attempts, self.failures = previous["attempts"], previous["failures"]
     self.excluded = {int(k): v for k, v in previous["excluded"].items()}
+    self.observer.flags[:0] = previous.get("straggler_flags", [])
+    self.observer.hangs[:0] = previous.get("hang_localisations", [])
     self._restarts = previous["restarts"] + 1
     if previous.get("group"):   # the dead driver's last group: its self-check verdict, if any
       self._take_diagnosis(_Group(previous["group"]["attempt"], previous["group"]["slots"]), None)
@@ -235,7 +237,9 @@ class Driver:
     claim.write(self.state_dir, [p.pid for p in procs], {
         "group": g and {"attempt": g.attempt, "slots": g.slots, "started": g.started},
         "started": self._started, "outcome": outcome, "restarts": self._restarts,
-        "attempts": self.attempts, "failures": self.failures, "excluded": self.excluded})
+        "attempts": self.attempts, "failures": self.failures, "excluded": self.excluded,
+        # What the observer found, so a report written by a later driver still has it.
+        "straggler_flags": self.observer.flags, "hang_localisations": self.observer.hangs})
 
   def watch(self, attempt: int) -> dict:
     """Cluster mode: the scheduler started the workers; only their heartbeats are watched.
@@ -340,7 +344,10 @@ class Driver:
     while True:
       if all(p.poll() == 0 for p in group.procs):
         return None
+      flags = len(self.observer.flags)
       failure = self._poll(group)
+      if len(self.observer.flags) > flags:
+        self._claim(group.procs)   # a straggler flag outlives this driver
       if group.first_step_at is not None:
         self.pool.fill()   # standbys for the next restart, once this group's start is done
       if failure is not None:
