@@ -20,7 +20,7 @@ parentheses) and who injects them:
                                                    next save's replica check finds it
 
 Faults of the operating system, injected from outside the training processes by the driver
-(resilience/driver/injector.py) once the group has reached step `step`:
+(resilience/driver/injector.py) once every rank has reached step `step`:
 
   stop               rank (1), step                SIGSTOP the worker: a real hang, no Python
                                                    runs in it
