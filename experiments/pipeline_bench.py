@@ -35,13 +35,18 @@ from absl import app, flags  # noqa: E402
 
 from experiments import results  # noqa: E402
 
-_MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16"], "Values of m.")
-_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"],
-                               "Schedules to measure.")
-_RECOMPUTE = flags.DEFINE_list("recompute", ["none", "selective", "full"],
-                               "pipeline.recompute values.")
-_STEPS = flags.DEFINE_integer("steps", 2, "Timed steps per configuration (0: no timing).")
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
+
+def define_flags() -> None:
+  """Defines the CLI flags (only when run as a script, so importing defines none)."""
+  global _MICROBATCHES, _SCHEDULES, _RECOMPUTE, _STEPS, _OUT_DIR
+  _MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16"], "Values of m.")
+  _SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"],
+                                 "Schedules to measure.")
+  _RECOMPUTE = flags.DEFINE_list("recompute", ["none", "selective", "full"],
+                                 "pipeline.recompute values.")
+  _STEPS = flags.DEFINE_integer("steps", 2, "Timed steps per configuration (0: no timing).")
+  _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
+
 
 STAGES, TENSOR, LAYERS, MICRO = 4, 2, 8, 2   # MICRO: sequences per microbatch
 SEQ, HIDDEN, VOCAB = 128, 64, 256   # activations large next to the parameters
@@ -289,4 +294,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
