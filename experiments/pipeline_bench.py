@@ -35,13 +35,18 @@ from absl import app, flags  # noqa: E402
 
 from experiments import results  # noqa: E402
 
-_MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16"], "Values of m.")
-_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"],
-                               "Schedules to measure.")
-_RECOMPUTE = flags.DEFINE_list("recompute", ["none", "selective", "full"],
-                               "pipeline.recompute values.")
-_STEPS = flags.DEFINE_integer("steps", 2, "Timed steps per configuration (0: no timing).")
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
+
+def define_flags() -> None:
+  """Defines the CLI flags (only when run as a script, so importing defines none)."""
+  global _MICROBATCHES, _SCHEDULES, _RECOMPUTE, _STEPS, _OUT_DIR
+  _MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16"], "Values of m.")
+  _SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"],
+                                 "Schedules to measure.")
+  _RECOMPUTE = flags.DEFINE_list("recompute", ["none", "selective", "full"],
+                                 "pipeline.recompute values.")
+  _STEPS = flags.DEFINE_integer("steps", 2, "Timed steps per configuration (0: no timing).")
+  _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
+
 
 STAGES, TENSOR, LAYERS, MICRO = 4, 2, 8, 2   # MICRO: sequences per microbatch
 SEQ, HIDDEN, VOCAB = 128, 64, 256   # activations large next to the parameters
@@ -111,65 +116,75 @@ def unpipelined(microbatches):
             "step_s": _time(compiled, params, batch)}
 
 
-def action_flops(plan, recompute):
-  """{Op: XLA's FLOPs per device} of each op of `plan`, compiled alone on a tensor=2 mesh
-  from the executor's own chunk code for one microbatch. XLA's cost analysis counts a while
-  body once, so a chunk's layer scan is costed with one layer, and the L / (p * v) - 1 others
-  at the cost of a middle chunk's one layer (under a split backward the first chunk's W at a
-  middle chunk's B and W: it runs the whole backward)."""
+@functools.lru_cache(maxsize=None)
+def op_flops(op, recompute, split, microbatches):
+  """XLA's FLOPs per device of `op` on one layer (a chunk's scan body), compiled alone on a
+  tensor=2 mesh from the executor's own chunk code for one microbatch; `split`: the backward
+  is split into B and W (zb_h1). What an op reads of another op's work (the stash of its F,
+  what its B kept for W) arrives laid out as that op's compiled program leaves it, as in the
+  executor: fed unsharded kept values, a W would compute the unembedding's weight gradient
+  whole instead of its tensor half."""
   import jax
   import jax.numpy as jnp
   from mscale_jax.parallel import pipeline
-  from mscale_jax.parallel.pipeline_plan import IDLE
-  p, v = plan.table.stages, plan.table.virtual
   mesh, graphdef, params, _, batch = _setup(1, MICRO)
   layer = jax.tree.map(lambda a: a[:1], params[pipeline.BLOCKS])
   shared = {k: a for k, a in params.items() if k != pipeline.BLOCKS}
   tokens, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
   x = jnp.zeros((MICRO, SEQ, HIDDEN), jnp.float32)   # one microbatch's activations
+  g = jnp.ones((), jnp.float32) if op.last else x
 
-  def program(shared):
-    return pipeline._Chunks(graphdef, shared, plan.table.microbatches, recompute,
+  def chunks(shared):
+    return pipeline._Chunks(graphdef, shared, microbatches, recompute,
                             example=(layer, tokens, targets))
 
-  def stash(shared, cp, x, tokens, tgt, op):
-    return program(shared).forward(op._replace(kind="F"), cp, x, tgt)[1]
-
   def action(shared, cp, x, tokens, tgt, leaves, kept, op):
-    chunks = program(shared)
     if op.kind == "F":
-      return chunks.forward(op, cp, x, tgt)
-    g = jnp.ones((), jnp.float32) if op.last else jnp.ones_like(chunks.act)
-    if plan.split_backward and not op.first:    # the executor's B and W
+      return chunks(shared).forward(op, cp, x, tgt)
+    if split and not op.first:    # the executor's B and W
       if op.kind == "B":
-        return chunks.backward_input(op, cp, leaves, tgt, g)
-      return chunks.backward_weights(op, kept, cp, leaves, tgt)
-    vjp, value = chunks.vjp(op, cp, leaves, tokens, tgt)
+        return chunks(shared).backward_input(op, cp, leaves, tgt, g)
+      return chunks(shared).backward_weights(op, kept, cp, leaves, tgt)
+    vjp, value = chunks(shared).vjp(op, cp, leaves, tokens, tgt)
     return value, vjp(g)
 
-  def cost(op):
-    shapes = jax.eval_shape(functools.partial(stash, op=op), shared, layer, x, tokens, targets)
-    zeros = lambda shapes: [jnp.zeros(a.shape, a.dtype) for a in shapes]
-    kept = []
-    if plan.split_backward and op.kind == "W":
-      kept = zeros(jax.eval_shape(lambda s: program(s).kept_shapes(op), shared))
+  def compiled(op, leaves=(), kept=()):
     fn = jax.jit(functools.partial(action, op=op))
-    return fn.lower(shared, layer, x, tokens, targets, zeros(shapes), kept).compile(
-        ).cost_analysis().get("flops", 0.0)
+    return fn.lower(shared, layer, x, tokens, targets, list(leaves), list(kept)).compile()
 
-  out, per_chunk = {}, LAYERS // (p * v)
+  def outputs(program, k):   # zeros laid out as `program`'s k-th output (a list) is
+    return [jax.device_put(jnp.zeros(s.shape, s.dtype), s.sharding)
+            for s in jax.tree.leaves(program.out_info[k])]
+
   with jax.set_mesh(mesh):
-    for op in plan.ops:
-      if op == IDLE:
-        continue
-      if plan.split_backward and op.kind == "B" and op.first:
-        out[op] = 0.0         # files the cotangent for its W, computes nothing
-      else:
-        middle = op._replace(first=False, last=False)
-        rest = cost(middle)
-        if plan.split_backward and op.kind == "W" and op.first:
-          rest += cost(middle._replace(kind="B"))   # its W runs the whole backward
-        out[op] = cost(op) + (per_chunk - 1) * rest
+    leaves = outputs(compiled(op._replace(kind="F")), 1)
+    kept = []
+    if op.kind == "W" and not op.first:
+      kept = outputs(compiled(op._replace(kind="B"), leaves), 2)
+    return compiled(op, leaves, kept).cost_analysis().get("flops", 0.0)
+
+
+def action_flops(plan, recompute):
+  """{Op: XLA's FLOPs per device} of each op of `plan` (`op_flops`). XLA's cost analysis
+  counts a while body once, so a chunk's layer scan is costed with one layer, and the
+  L / (p * v) - 1 others at the cost of a middle chunk's one layer (under a split backward
+  the first chunk's W at a middle chunk's B and W: it runs the whole backward)."""
+  from mscale_jax.parallel.pipeline_plan import IDLE
+  p, v, m = plan.table.stages, plan.table.virtual, plan.table.microbatches
+  cost = functools.partial(op_flops, recompute=recompute, split=plan.split_backward,
+                           microbatches=m)
+  out, per_chunk = {}, LAYERS // (p * v)
+  for op in plan.ops:
+    if op == IDLE:
+      continue
+    if plan.split_backward and op.kind == "B" and op.first:
+      out[op] = 0.0         # files the cotangent for its W, computes nothing
+    else:
+      middle = op._replace(first=False, last=False)
+      rest = cost(middle)
+      if plan.split_backward and op.kind == "W" and op.first:
+        rest += cost(middle._replace(kind="B"))   # its W runs the whole backward
+      out[op] = cost(op) + (per_chunk - 1) * rest
   return out
 
 
@@ -279,4 +294,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
