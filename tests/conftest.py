@@ -7,6 +7,8 @@ rounding, and each pytest process keeps a fresh persistent compilation cache, so
 several tests build (the same tiny trainer, say) compiles once per process.
 """
 import atexit
+import contextlib
+import faulthandler
 import os
 import shutil
 import tempfile
@@ -28,6 +30,75 @@ if os.environ.get("MSCALE_TEST_CACHE_OF", _WORKER) != _WORKER or \
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
 
 import pytest  # noqa: E402
+
+# A worker that dies (XLA aborts the process on a failed CHECK or a fatal log line) takes its
+# captured output with it, and xdist reports only "worker 'gw1' crashed". So while a test runs
+# in a worker, the process's stderr goes to a file of that worker's, copied back into pytest's
+# capture when the test ends; faulthandler writes the Python stack there too. If the worker
+# dies, the controller adds the file to the crash report.
+if "MSCALE_TEST_CRASH_LOGS" not in os.environ:
+  _logs = tempfile.mkdtemp(prefix="mscale-jax-test-crash-")
+  atexit.register(shutil.rmtree, _logs, ignore_errors=True)
+  os.environ["MSCALE_TEST_CRASH_LOGS"] = _logs
+
+
+def _crash_log(worker: str) -> str:
+  return os.path.join(os.environ["MSCALE_TEST_CRASH_LOGS"], f"{worker}.log")
+
+
+@pytest.hookimpl(trylast=True)           # after pytest's faulthandler plugin, which it replaces
+def pytest_configure(config):
+  if _WORKER != "main":
+    config._crash_log = open(_crash_log(_WORKER), "w+b", buffering=0)
+    faulthandler.enable(config._crash_log, all_threads=True)
+
+
+@contextlib.contextmanager
+def _stderr_to_crash_log(config):
+  log = getattr(config, "_crash_log", None)
+  if log is None:
+    yield
+    return
+  log.seek(0)
+  log.truncate()
+  captured = os.dup(2)                   # pytest's capture of this test's stderr
+  os.dup2(log.fileno(), 2)
+  try:
+    yield
+  finally:
+    os.dup2(captured, 2)
+    os.close(captured)
+    log.seek(0)
+    os.write(2, log.read())
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)   # inside pytest's capture of the phase
+def pytest_runtest_setup(item):
+  with _stderr_to_crash_log(item.config):
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item):
+  with _stderr_to_crash_log(item.config):
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item):
+  with _stderr_to_crash_log(item.config):
+    return (yield)
+
+
+def pytest_handlecrashitem(crashitem, report):
+  """Adds what the dead worker wrote to stderr in its last test (XLA's message, the Python
+  stack) to xdist's crash report."""
+  with contextlib.suppress(OSError):
+    with open(_crash_log(report.node.gateway.id), errors="replace") as f:
+      text = f.read()
+    if len(text) > 40000:                # XLA's message comes first, the Python stack last
+      text = f"{text[:10000]}\n[...]\n{text[-30000:]}"
+    report.sections.append((f"stderr of the crashed worker {report.node.gateway.id}", text))
 
 # Test files that take longest in a full run, run first: with two workers taking whole files in
 # this order, neither is left alone with a long file at the end. test_slurm mostly waits on
