@@ -19,6 +19,13 @@ _FLAGS = f"--xla_force_host_platform_device_count=8 {TEST_XLA}"
 if _FLAGS not in os.environ.get("XLA_FLAGS", ""):     # xdist's workers inherit the controller's
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAGS}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU runs a device's ready collectives on its intra-op thread pool (NPROC threads; 8
+# here, one per device, on a 2-core machine), where each blocks a thread until its peers join;
+# when every thread waits on peers still queued behind them, nothing moves and XLA aborts the
+# process 60 s later ("Termination timeout ... Exiting"), which a loaded 2-core machine
+# reaches now and then in test_pipeline (notes: ci-abort). A wider pool makes that vanishingly
+# unlikely; set here for the test processes only (and the jobs they start).
+os.environ["NPROC"] = "32"
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 if os.environ.get("MSCALE_TEST_CACHE_OF", _WORKER) != _WORKER or \
     "JAX_COMPILATION_CACHE_DIR" not in os.environ:
