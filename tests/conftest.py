@@ -64,9 +64,9 @@ def pytest_configure(config):
 
 
 @contextlib.contextmanager
-def _stderr_to_crash_log(config):
-  log = getattr(config, "_crash_log", None)
-  if log is None:
+def _stderr_to_crash_log(item):
+  log = getattr(item.config, "_crash_log", None)
+  if log is None or {"capfd", "capfdbinary"} & set(item.fixturenames):   # those read fd 2
     yield
     return
   log.seek(0)
@@ -84,19 +84,19 @@ def _stderr_to_crash_log(config):
 
 @pytest.hookimpl(wrapper=True, trylast=True)   # inside pytest's capture of the phase
 def pytest_runtest_setup(item):
-  with _stderr_to_crash_log(item.config):
+  with _stderr_to_crash_log(item):
     return (yield)
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_runtest_call(item):
-  with _stderr_to_crash_log(item.config):
+  with _stderr_to_crash_log(item):
     return (yield)
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_runtest_teardown(item):
-  with _stderr_to_crash_log(item.config):
+  with _stderr_to_crash_log(item):
     return (yield)
 
 

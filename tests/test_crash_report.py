@@ -53,3 +53,9 @@ def test_a_worker_that_xla_aborts_is_reported_with_xlas_message_and_the_python_s
   assert "Termination timeout for `collective permute" in out, out       # XLA's, from fd 2
   assert "Fatal Python error: Aborted" in out, out                       # faulthandler's
   assert "in test_a_stalled_collective" in out, out                      # the Python stack
+
+
+def test_capfd_still_reads_what_a_test_writes_to_fd_2(capfd):
+  # In an xdist worker, conftest sends fd 2 to the crash log, except under capfd.
+  os.write(2, b"written to fd 2\n")
+  assert capfd.readouterr().err == "written to fd 2\n"
