@@ -100,6 +100,7 @@ def pytest_runtest_teardown(item):
     return (yield)
 
 
+@pytest.hookimpl(optionalhook=True)     # xdist's hook
 def pytest_handlecrashitem(crashitem, report):
   """Adds what the dead worker wrote to stderr in its last test (XLA's message, the Python
   stack) to xdist's crash report."""
@@ -109,6 +110,7 @@ def pytest_handlecrashitem(crashitem, report):
     if len(text) > 40000:                # XLA's message comes first, the Python stack last
       text = f"{text[:10000]}\n[...]\n{text[-30000:]}"
     report.sections.append((f"stderr of the crashed worker {report.node.gateway.id}", text))
+
 
 # Test files that take longest in a full run, run first: with two workers taking whole files in
 # this order, neither is left alone with a long file at the end. test_slurm mostly waits on
