@@ -25,9 +25,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # join. When every thread waits on peers queued behind them, nothing moves, and XLA
 # aborts the process 60 s later ("Termination timeout ... Exiting to ensure a consistent
 # program state"): test_pipeline's programs did so now and then on a loaded 2-core machine
-# (in a stress loop of their executions: 3 aborts in 3 tries with 8 threads, none in 4,000+
-# executions with 32). A wider pool avoids it; it is XLA's to fix. Test processes only (and
-# the jobs they start).
+# (executing its selective-recompute variants in a loop there, jax 0.10 and 0.11: 5 aborts in
+# 5 tries with 8 threads, within 700 executions; no stalled collective in 24,000 with 32). A
+# wider pool avoids it; it is XLA's to fix. Test processes only (and the jobs they start).
 os.environ["NPROC"] = "32"
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 if os.environ.get("MSCALE_TEST_CACHE_OF", _WORKER) != _WORKER or \
