@@ -137,6 +137,8 @@ def main(argv):
       start = time.time()
       time.sleep(_EPISODE_S.value)
       episodes.append({"kind": "clean", "start": start, "end": time.time(), "rank": None})
+      if proc.poll() is not None:   # before acting on a worker that is gone
+        raise SystemExit("the job ended during the episodes; see " + log.name)
       rank, kind = rng.randrange(n), _KINDS.value[i % len(_KINDS.value)]
       start = time.time()
       detail = faults_[kind](pids[rank], _EPISODE_S.value)
@@ -144,8 +146,6 @@ def main(argv):
                        "pid": pids[rank], **detail})
       print(f"[real] episode {i + 1}/{_EPISODES.value}: {kind} on rank {rank} {detail}",
             flush=True)
-      if proc.poll() is not None:
-        raise SystemExit("the job ended during the episodes; see " + log.name)
     start = time.time()
     time.sleep(GRACE_S)
     episodes.append({"kind": "clean", "start": start, "end": time.time(), "rank": None})
