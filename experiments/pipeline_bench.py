@@ -157,8 +157,9 @@ def op_flops(op, recompute, split, microbatches):
             for s in jax.tree.leaves(program.out_info[k])]
 
   with jax.set_mesh(mesh):
-    leaves = outputs(compiled(op._replace(kind="F")), 1)
-    kept = []
+    leaves, kept = [], []
+    if op.kind != "F":   # an F reads no stash
+      leaves = outputs(compiled(op._replace(kind="F")), 1)
     if op.kind == "W" and not op.first:
       kept = outputs(compiled(op._replace(kind="B"), leaves), 2)
     return compiled(op, leaves, kept).cost_analysis().get("flops", 0.0)
