@@ -343,6 +343,7 @@ class Driver:
     """Watches the group until every worker exits 0 (None) or a failure is detected."""
     while True:
       if all(p.poll() == 0 for p in group.procs):
+        self._note_progress(group, self._beats(group))   # the last step, sent before exiting
         return None
       flags = len(self.observer.flags)
       failure = self._poll(group)
@@ -359,8 +360,7 @@ class Driver:
     # Exit statuses before heartbeats: a worker reports its own failure before it exits, so
     # read in this order an exit always comes with what the worker said about it.
     codes = [p.poll() for p in group.procs]
-    beats = {r: (b, t) for r, (b, t) in self.server.latest().items()
-             if b.attempt == group.attempt}
+    beats = self._beats(group)
     self._note_progress(group, beats)
     self.injector.poll(group.procs, group_step(beats, len(group.slots)))
     # Strongest evidence first (blame.py): a killed worker (its peers' errors follow from it),
@@ -368,6 +368,11 @@ class Driver:
     return (blame.killed_by_signal(codes, group.logs) or blame.reported(beats, len(group.slots))
             or blame.exited(codes) or group.fatal_logs.poll(codes, now)
             or self.observer.observe(now) or self._check_progress(group, beats, codes, now))
+
+  def _beats(self, group: _Group) -> dict:
+    """rank -> (latest heartbeat of this group's attempt, time received)."""
+    return {r: (b, t) for r, (b, t) in self.server.latest().items()
+            if b.attempt == group.attempt}
 
   def _note_progress(self, group: _Group, beats) -> None:
     """Each rank's step and phase since when, and the group's first step (before failures)."""
