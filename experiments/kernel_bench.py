@@ -3,7 +3,10 @@ r"""Benchmarks each Pallas kernel against its reference and writes a `results/` 
   python -m experiments.kernel_bench --kernel=flash_attention
   python -m experiments.kernel_bench --kernel=all --size=full      # on a GPU/TPU
 
-Times are medians of `--repeats` device-synchronised runs after `--warmup` runs. On CPU the
+Times are per call: the median of `--repeats` samples after `--warmup` runs, each sample
+`calls` back-to-back calls (the row's `calls` column) ended by one device sync and lasting
+>= ~20 ms, so dispatch and sync overhead do not count against sub-millisecond kernels
+(experiments/timing.py). Every row carries its error against a reference. On CPU the
 kernels run in the Pallas interpreter and the 8 simulated devices share the host's cores, so CPU
 timings show interpreter and simulation overhead, never kernel speed or overlap.
 """
@@ -21,7 +24,7 @@ _KERNEL = flags.DEFINE_enum("kernel", "all", ("all",) + KERNELS, "Which kernel t
 _SIZE = flags.DEFINE_enum("size", "auto", ("auto", "tiny", "small", "full"),
                           "Shape table: 'auto' is 'full' on GPU/TPU and 'small' on CPU.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed runs before timing (compile, caches).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs; the median is reported.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed samples; the median is reported.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Folder for the JSON record (default results/).")
 
 
@@ -50,7 +53,7 @@ def resolve_size(size: str) -> str:
 def main(argv):
   del argv
   import jax
-  from experiments import results
+  from experiments import results, timing
   size = resolve_size(_SIZE.value)
   kernels = KERNELS if _KERNEL.value == "all" else (_KERNEL.value,)
   platform = jax.devices()[0].platform
@@ -68,7 +71,9 @@ def main(argv):
       print(f"note: {note}")
     path = results.write_record(f"kernel_bench-{kernel}", out["rows"], out_dir=_OUT_DIR.value,
                                 extra={"size": size, "notes": out.get("notes", []),
-                                       "warmup": _WARMUP.value, "repeats": _REPEATS.value})
+                                       "warmup": _WARMUP.value, "repeats": _REPEATS.value,
+                                       "min_sample_s": timing.MIN_SAMPLE_S,
+                                       "max_calls": timing.MAX_CALLS})
     print(f"[kernel_bench] wrote {path}", flush=True)
 
 

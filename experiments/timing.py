@@ -1,27 +1,56 @@
-"""Device-synchronised timing for benchmarks (warm-up, then the median of repeated runs), and
-the accuracy figure each benchmark row carries next to its time."""
+"""Device-synchronised timing for benchmarks (warm-up, then the median of repeated samples),
+and the accuracy figure each benchmark row carries next to its time."""
+import math
 import statistics
 import time
 
 import jax
 import numpy as np
 
+MIN_SAMPLE_S = 0.02     # a timed sample lasts at least this long (dispatch + sync amortised)
+MAX_CALLS = 200         # ... but holds at most this many back-to-back calls
 
-def time_fn(fn, *args, warmup: int = 2, repeats: int = 5) -> dict:
-  """Times `fn(*args)`; returns {'median_s', 'min_s', 'max_s', 'repeats'}.
 
-  The first `warmup` calls compile and warm caches and are not counted; each timed call waits
-  for every output (`jax.block_until_ready`), so asynchronous dispatch cannot hide work.
+def calls_per_sample(one_call_s: float, min_sample_s: float = MIN_SAMPLE_S,
+                     max_calls: int = MAX_CALLS) -> int:
+  """How many back-to-back calls make a sample of >= `min_sample_s` (1 to `max_calls`).
+
+  `one_call_s` is one synchronised call's time, dispatch and sync included, so the count errs
+  low for sub-millisecond kernels: the batched sample still lasts about `min_sample_s`.
+  """
+  if max_calls < 1:
+    raise ValueError(f"max_calls must be >= 1, got {max_calls}")
+  if not one_call_s > 0:         # a clock too coarse to see one call (or NaN): batch fully
+    return max_calls
+  return max(1, min(max_calls, math.ceil(min_sample_s / one_call_s)))
+
+
+def time_fn(fn, *args, warmup: int = 2, repeats: int = 5, min_sample_s: float = MIN_SAMPLE_S,
+            max_calls: int = MAX_CALLS) -> dict:
+  """Times `fn(*args)` per call; returns {'median_s', 'min_s', 'max_s', 'repeats', 'calls'}.
+
+  The first `warmup` calls compile and warm caches and are not counted. One more synchronised
+  call sets `calls` (see `calls_per_sample`); each of the `repeats` samples then dispatches
+  `calls` calls back to back and waits for the last one's outputs (`jax.block_until_ready`;
+  one device runs its work in order), so neither asynchronous dispatch hides work nor does one
+  host round trip per call inflate a sub-millisecond kernel's time. Times are per call
+  (sample / calls). `max_calls=1` gives one synchronised call per sample. A stateful `fn`
+  (one that carries donated buffers, say) works as long as calling it repeatedly is valid.
   """
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  calls = calls_per_sample(time.perf_counter() - start, min_sample_s, max_calls)
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / calls)
   return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-          "repeats": repeats}
+          "repeats": repeats, "calls": calls}
 
 
 def relative_error(out, ref) -> float:

@@ -142,6 +142,7 @@ def run(size: str, warmup: int, repeats: int, ring: int = 8) -> dict:
                 "shape": name, "op": op, "m,k,n": "x".join(map(str, local)), "P": p,
                 "impl": impl + ("-bidi" if bidi else ""), "pass": pass_name,
                 "median_ms": 1e3 * t["median_s"], "min_ms": 1e3 * t["min_s"],
+                "calls": t["calls"],
                 "tflops_per_device": mult * flops / t["median_s"] / 1e12,
                 "ratio_to_xla": t["median_s"] / base[key] if key in base else float("nan"),
             })

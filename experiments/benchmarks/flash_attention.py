@@ -146,6 +146,7 @@ def run(size: str, warmup: int, repeats: int) -> dict:
           continue
         flops = attention_flops(batch, seq_len, heads, head_dim, window, pass_ == "fwd+bwd")
         row["median_ms"] = stats["median_s"] * 1e3
+        row["calls"] = stats["calls"]
         row["tflops"] = flops / stats["median_s"] / 1e12
         row["rel_err"] = relative_error(wrapped(*args), references[pass_])
         times[(impl, pass_)] = stats["median_s"]

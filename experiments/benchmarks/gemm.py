@@ -33,9 +33,10 @@ def run(size: str, warmup: int, repeats: int) -> dict:
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (m, k), jnp.dtype(dtype))
     b = jax.random.normal(kb, (k, n), jnp.dtype(dtype))
-    seconds = time_fn(matmul, a, b, warmup=warmup, repeats=repeats)["median_s"]
+    stats = time_fn(matmul, a, b, warmup=warmup, repeats=repeats)
+    seconds = stats["median_s"]
     tflops = 2.0 * m * k * n / seconds / 1e12
-    rows.append({"m": m, "k": k, "n": n, "dtype": dtype, "median_s": seconds,
+    rows.append({"m": m, "k": k, "n": n, "dtype": dtype, "median_s": seconds, "calls": stats["calls"],
                  "tflops": tflops, "peak_tflops": peak / 1e12 if peak else None,
                  "efficiency": tflops / (peak / 1e12) if peak else None})
   notes = [f"{dtype} on {device.device_kind}; calibrate the performance model with "

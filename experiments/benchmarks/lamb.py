@@ -93,11 +93,12 @@ def run(size: str, warmup: int, repeats: int) -> dict:
     error = relative_error(updates, reference)
     del updates
     call = _timed_step(tx, grads, params)
-    t = time_fn(call, warmup=warmup, repeats=repeats)["median_s"]
+    stats = time_fn(call, warmup=warmup, repeats=repeats)
+    t = stats["median_s"]
     times[impl] = t
     gbps = BYTES_PER_PARAM * count / t / 1e9
     row = {"params": f"{count / 1e6:.1f}M", "leaves": len(jax.tree.leaves(params)),
-           "impl": impl, "median_ms": t * 1e3, "GB/s": gbps, "rel_err_vs_optax": error}
+           "impl": impl, "median_ms": t * 1e3, "calls": stats["calls"], "GB/s": gbps, "rel_err_vs_optax": error}
     if peak:
       row["hbm_frac"] = gbps * 1e9 / peak
     if impl == "fused_lamb":

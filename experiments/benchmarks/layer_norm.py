@@ -62,11 +62,12 @@ def run(size: str, warmup: int, repeats: int) -> dict:
     references = {name: fn(*upcast) for name, fn, _ in _passes("xla")}
     for impl in ("xla", "pallas"):
       for name, fn, multiple in _passes(impl):
-        t = time_fn(fn, x, r, s, b, warmup=warmup, repeats=repeats)["median_s"]
+        stats = time_fn(fn, x, r, s, b, warmup=warmup, repeats=repeats)
+        t = stats["median_s"]
         times[(impl, name)] = t
         gbps = multiple * rows * hidden * jnp.dtype(dtype).itemsize / t / 1e9
         row = {"shape": f"{label} {rows}x{hidden}", "impl": impl, "pass": name,
-               "median_ms": t * 1e3, "GB/s": gbps,
+               "median_ms": t * 1e3, "calls": stats["calls"], "GB/s": gbps,
                "rel_err": relative_error(fn(x, r, s, b), references[name])}
         if peak:
           row["hbm_frac"] = gbps * 1e9 / peak

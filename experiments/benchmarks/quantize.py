@@ -47,10 +47,11 @@ def run(size: str, warmup: int, repeats: int) -> dict:
       }
       for name, fn, args in (("quantize", quantize, (x,)),
                              ("dequantize", dequantize, (codes, scales))):
-        t = time_fn(fn, *args, warmup=warmup, repeats=repeats)["median_s"]
+        stats = time_fn(fn, *args, warmup=warmup, repeats=repeats)
+        t = stats["median_s"]
         times[(impl, name)] = t
         row = {"shape": f"{label} {groups}x{g}", "impl": impl, "pass": name,
-               "median_ms": t * 1e3, "GB/s": ideal / t / 1e9, **accuracy[name]}
+               "median_ms": t * 1e3, "calls": stats["calls"], "GB/s": ideal / t / 1e9, **accuracy[name]}
         if impl == "pallas":
           row["speedup_vs_xla"] = times[("xla", name)] / t
         rows.append(row)

@@ -1,0 +1,73 @@
+"""experiments/timing.py (batched per-call timing) and the kernel benchmarks at tiny sizes."""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import timing
+
+
+class FakeClock:
+  """perf_counter stand-in that advances only when the fake kernel runs."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def _fake_kernel(clock, seconds_per_call):
+  calls = []
+
+  def fn(x):
+    calls.append(1)
+    clock.now += seconds_per_call
+    return x + len(calls)
+  return fn, calls
+
+
+@pytest.mark.parametrize("one_call_s, expected", [
+    (0.25, 1), (0.02, 1), (0.019, 2), (0.005, 4), (0.0014, 15), (1e-4, 200), (0.0, 200),
+    (float("nan"), 200)])
+def test_calls_per_sample_reaches_min_sample_and_caps(one_call_s, expected):
+  assert timing.calls_per_sample(one_call_s, min_sample_s=0.02, max_calls=200) == expected
+
+
+def test_calls_per_sample_rejects_no_calls():
+  with pytest.raises(ValueError, match="max_calls"):
+    timing.calls_per_sample(0.01, max_calls=0)
+
+
+@pytest.mark.parametrize("seconds_per_call, calls", [(1e-3, 20), (0.05, 1), (1e-6, 200)])
+def test_time_fn_reports_per_call_time_of_batched_samples(monkeypatch, seconds_per_call, calls):
+  clock = FakeClock()
+  syncs = []
+  real_block = jax.block_until_ready
+  monkeypatch.setattr(timing.time, "perf_counter", clock)
+  monkeypatch.setattr(timing.jax, "block_until_ready",
+                      lambda out: syncs.append(out) or real_block(out))
+  fn, made = _fake_kernel(clock, seconds_per_call)
+  stats = timing.time_fn(fn, jnp.zeros(3), warmup=2, repeats=4, min_sample_s=0.02,
+                         max_calls=200)
+  assert stats["calls"] == calls
+  assert len(made) == 2 + 1 + 4 * calls          # warm-up, calibration, samples
+  assert stats["median_s"] == pytest.approx(seconds_per_call)
+  assert stats["min_s"] == pytest.approx(seconds_per_call)
+  assert stats["repeats"] == 4
+  # One sync per warm-up call, the calibration call and each sample (not per timed call);
+  # each sample waits on its LAST call's output.
+  assert len(syncs) == 2 + 1 + 4
+  for i, out in enumerate(syncs[3:]):
+    np.testing.assert_array_equal(out, np.full(3, 3 + (i + 1) * calls))
+
+
+def test_time_fn_max_calls_one_is_a_sync_per_call(monkeypatch):
+  clock = FakeClock()
+  monkeypatch.setattr(timing.time, "perf_counter", clock)
+  fn, made = _fake_kernel(clock, 1e-5)
+  stats = timing.time_fn(fn, jnp.zeros(2), warmup=1, repeats=3, max_calls=1)
+  assert stats["calls"] == 1 and len(made) == 1 + 1 + 3
+  assert stats["median_s"] == pytest.approx(1e-5)
