@@ -23,7 +23,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._platform import platform_of, resolve_interpret
 
-_BLOCK_GROUPS = 64        # groups per program
+_BLOCK_GROUPS = 64        # groups per program, at most ...
+_BLOCK_VALUES = 8192      # ... and at most this many values (Triton holds a block in registers)
 
 
 def hadamard_matrix(g: int) -> np.ndarray:
@@ -75,10 +76,11 @@ def reference_dequantize(codes, scales, *, bits: int, hadamard: bool):
   return y
 
 
-def _quantize_kernel(x_ref, h_ref, codes_ref, scales_ref, *, bits, hadamard):
+def _quantize_kernel(*refs, bits, hadamard):
+  x_ref, *h_ref, codes_ref, scales_ref = refs     # h_ref: [the g x g matrix] if hadamard
   x = x_ref[...].astype(jnp.float32)
   if hadamard:
-    x = jnp.dot(x, h_ref[...], preferred_element_type=jnp.float32)
+    x = jnp.dot(x, h_ref[0][...], preferred_element_type=jnp.float32)
   scale = jnp.max(jnp.abs(x), axis=1, keepdims=True)
   safe = jnp.where(scale > 0, scale, 1.0)
   codes = round_half_even(x / safe * _levels(bits)) + (_levels(bits) + 1)
@@ -86,22 +88,31 @@ def _quantize_kernel(x_ref, h_ref, codes_ref, scales_ref, *, bits, hadamard):
   scales_ref[...] = scale
 
 
-def _dequantize_kernel(codes_ref, scales_ref, h_ref, y_ref, *, bits, hadamard):
+def _dequantize_kernel(*refs, bits, hadamard):
+  codes_ref, scales_ref, *h_ref, y_ref = refs     # h_ref: [the g x g matrix] if hadamard
   values = (codes_ref[...].astype(jnp.int32) - (_levels(bits) + 1)).astype(jnp.float32)
   y = values * (scales_ref[...] / _levels(bits))
   if hadamard:
-    y = jnp.dot(y, h_ref[...], preferred_element_type=jnp.float32)
+    y = jnp.dot(y, h_ref[0][...], preferred_element_type=jnp.float32)
   y_ref[...] = y
 
 
-def _call(kernel, rows, matrix, out_shape, groups, g, interpret):
-  """pallas_call over blocks of groups: `rows` arrays cut by group, `matrix` (g x g) whole."""
-  block = min(_BLOCK_GROUPS, groups)
+def block_groups(groups: int, g: int) -> int:
+  """Groups per program: 64, fewer for long groups (<= 8192 values a block), <= `groups`."""
+  return max(1, min(groups, _BLOCK_GROUPS, _BLOCK_VALUES // g))
+
+
+def _call(kernel, rows, hadamard, out_shape, groups, g, interpret):
+  """pallas_call over blocks of groups: `rows` arrays cut by group, then, with `hadamard`,
+  the g x g matrix whole (only then: an unused 2048 x 2048 block is still a 16 MiB operand)."""
+  block = block_groups(groups, g)
   if groups % block:
     raise ValueError(f"the number of groups ({groups}) must be a multiple of {block}")
   spec = lambda cols: pl.BlockSpec((block, cols), lambda i: (i, 0))
-  args = (*rows, matrix)
-  in_specs = [spec(a.shape[1]) for a in rows] + [pl.BlockSpec((g, g), lambda i: (0, 0))]
+  args, in_specs = [*rows], [spec(a.shape[1]) for a in rows]
+  if hadamard:
+    args.append(jnp.asarray(hadamard_matrix(g)))
+    in_specs.append(pl.BlockSpec((g, g), lambda i: (0, 0)))
   out_specs = [spec(s.shape[1]) for s in out_shape]
   return pl.pallas_call(kernel, grid=(groups // block,), in_specs=in_specs,
                         out_specs=out_specs, out_shape=out_shape,
@@ -113,9 +124,8 @@ def quantize(x, *, bits: int = 4, hadamard: bool = False, interpret=None):
   """x [groups, g] -> (uint8 offset codes [groups, g], float32 scales [groups]); bits 2-8."""
   backend, interp = resolve_interpret("quantize", interpret, platform_of(x))
   groups, g = x.shape
-  h = jnp.asarray(hadamard_matrix(g))
   codes, scales = _call(
-      functools.partial(_quantize_kernel, bits=bits, hadamard=hadamard), (x,), h,
+      functools.partial(_quantize_kernel, bits=bits, hadamard=hadamard), (x,), hadamard,
       [jax.ShapeDtypeStruct((groups, g), jnp.uint8),
        jax.ShapeDtypeStruct((groups, 1), jnp.float32)], groups, g,
       interp if backend == "interpret" else False)
@@ -127,8 +137,7 @@ def dequantize(codes, scales, *, bits: int = 4, hadamard: bool = False, interpre
   """Inverse of `quantize`: float32 [groups, g]."""
   backend, interp = resolve_interpret("dequantize", interpret, platform_of(codes))
   groups, g = codes.shape
-  h = jnp.asarray(hadamard_matrix(g))
   (y,) = _call(functools.partial(_dequantize_kernel, bits=bits, hadamard=hadamard),
-               (codes, scales[:, None]), h, [jax.ShapeDtypeStruct((groups, g), jnp.float32)],
+               (codes, scales[:, None]), hadamard, [jax.ShapeDtypeStruct((groups, g), jnp.float32)],
                groups, g, interp if backend == "interpret" else False)
   return y

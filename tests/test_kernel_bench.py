@@ -71,3 +71,16 @@ def test_time_fn_max_calls_one_is_a_sync_per_call(monkeypatch):
   stats = timing.time_fn(fn, jnp.zeros(2), warmup=1, repeats=3, max_calls=1)
   assert stats["calls"] == 1 and len(made) == 1 + 1 + 3
   assert stats["median_s"] == pytest.approx(1e-5)
+
+
+def test_relative_error_on_device_matches_the_float64_host_figure():
+  keys = jax.random.split(jax.random.key(3), 3)
+  ref = {"a": jax.random.normal(keys[0], (64, 32)), "b": jax.random.normal(keys[1], (100,))}
+  out = {"a": ref["a"] + 1e-3 * jax.random.normal(keys[2], (64, 32)), "b": ref["b"] * 1.01}
+  host = timing.relative_error(out, ref)
+  assert host == pytest.approx(0.01, rel=1e-5)           # leaf b: exactly 1% off
+  assert timing.relative_error(out, ref, on_device=True) == pytest.approx(host, rel=1e-4)
+  nan = {"a": out["a"].at[0, 0].set(jnp.nan), "b": out["b"]}
+  assert np.isnan(timing.relative_error(nan, ref, on_device=True))
+  with pytest.raises(ValueError, match="shapes differ"):
+    timing.relative_error(ref["a"], ref["a"][:2], on_device=True)

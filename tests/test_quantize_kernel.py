@@ -73,3 +73,24 @@ def test_hadamard_matrix_is_orthonormal():
   np.testing.assert_allclose(h @ h.T, np.eye(64), atol=1e-5)
   with pytest.raises(ValueError, match="power of two"):
     kernel.hadamard_matrix(48)
+
+
+@pytest.mark.parametrize("groups, g, block", [(64, 128, 64), (8, 2048, 4), (2, 8192, 1),
+                                              (16, 128, 16)])
+def test_long_groups_use_smaller_blocks_and_still_match(groups, g, block):
+  """Blocks stay <= 8192 values (a Triton program holds one in registers), over several
+  programs; without the Hadamard transform no g x g matrix is passed."""
+  assert kernel.block_groups(groups, g) == block
+  x = jax.random.normal(jax.random.key(5), (groups, g)) * 3.0
+  codes, scales = kernel.quantize(x, bits=4, interpret=True)
+  want_codes, want_scales = kernel.reference_quantize(x, bits=4, hadamard=False)
+  np.testing.assert_array_equal(codes, want_codes)
+  np.testing.assert_allclose(scales, want_scales, rtol=1e-6)
+  np.testing.assert_allclose(kernel.dequantize(codes, scales, bits=4, interpret=True),
+                             kernel.reference_dequantize(codes, scales, bits=4, hadamard=False),
+                             atol=1e-6)
+
+
+def test_groups_not_a_multiple_of_the_block_are_refused():
+  with pytest.raises(ValueError, match=r"\(6\) must be a multiple of 4"):
+    kernel.quantize(jnp.ones((6, 2048)), bits=4, interpret=True)
