@@ -84,3 +84,23 @@ def test_relative_error_on_device_matches_the_float64_host_figure():
   assert np.isnan(timing.relative_error(nan, ref, on_device=True))
   with pytest.raises(ValueError, match="shapes differ"):
     timing.relative_error(ref["a"], ref["a"][:2], on_device=True)
+
+
+ERROR_COLUMNS = ("rel_err", "rel_err_vs_optax")
+_SLOW = ("collective_matmul", "flash_attention", "lamb")   # 7-60 s each on CPU
+
+
+@pytest.mark.parametrize("kernel", [
+    pytest.param(k, marks=pytest.mark.slow) if k in _SLOW else k
+    for k in ("collective_matmul", "flash_attention", "layer_norm", "lamb", "gemm", "quantize")])
+def test_every_tiny_bench_row_has_a_time_its_call_count_and_a_small_error(kernel):
+  module = importlib.import_module(f"experiments.benchmarks.{kernel}")
+  out = module.run(size="tiny", warmup=1, repeats=1)
+  assert out["rows"]
+  for row in out["rows"]:
+    errors = [row[c] for c in ERROR_COLUMNS if c in row]
+    assert len(errors) == 1, row
+    assert 0 <= errors[0] < 1e-2, row
+    assert row.get("codes_differing", 0) <= 1e-3, row
+    assert isinstance(row["calls"], int) and row["calls"] >= 1
+    assert (row.get("median_ms") or row.get("median_s")) > 0

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments.timing import time_fn
+from experiments.timing import relative_error, time_fn
 from pallas_kernels import collective_matmul as cm
 
 _AXIS = "ring"
@@ -89,6 +89,14 @@ def _build(op, impl, bidirectional, mesh):
   return fwd, grad, specs["in_specs"]
 
 
+def _references(x, w):
+  """The unsharded float32 x @ w and its gradients (of sum(x @ w)), what every impl computes."""
+  exact = lambda x, w: jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
+  x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+  grads = jax.jit(jax.grad(lambda x, w: jnp.sum(exact(x, w)), argnums=(0, 1)))(x, w)
+  return {"fwd": jax.jit(exact)(x, w), "fwd+bwd": grads}
+
+
 def run(size: str, warmup: int, repeats: int, ring: int = 8) -> dict:
   """Times every (shape, op, impl, pass) on a ring of up to `ring` devices.
 
@@ -101,7 +109,9 @@ def run(size: str, warmup: int, repeats: int, ring: int = 8) -> dict:
   dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
   itemsize = jnp.dtype(dtype).itemsize
   notes = [f"ring over {p} {devices[0].device_kind} devices; dtype {jnp.dtype(dtype).name}; "
-           f"shapes are per device (m tokens, k x n weight)"]
+           f"shapes are per device (m tokens, k x n weight)",
+           "rel_err: ||out - ref|| / ||ref||, worst of the output (of dx, dw for fwd+bwd), "
+           "against the unsharded float32 x @ w at Precision.HIGHEST and its gradients"]
   if platform == "cpu":
     notes.append("CPU: simulated devices share the host's cores and Pallas runs in the TPU "
                  "interpreter: these timings show overhead, not overlap. The real measure "
@@ -124,6 +134,7 @@ def run(size: str, warmup: int, repeats: int, ring: int = 8) -> dict:
       x = jnp.asarray(rng.standard_normal(x_shape), dtype)
       w = jnp.asarray(rng.standard_normal(w_shape) / np.sqrt(k), dtype)
       flops = 2 * p * m * k * n          # per device, forward
+      references = _references(x, w)
       base = {}
       for impl, bidi in _variants(platform):
         if impl == "pallas" and not _pallas_fits(platform, p, m, k, n, itemsize):
@@ -145,6 +156,7 @@ def run(size: str, warmup: int, repeats: int, ring: int = 8) -> dict:
                 "calls": t["calls"],
                 "tflops_per_device": mult * flops / t["median_s"] / 1e12,
                 "ratio_to_xla": t["median_s"] / base[key] if key in base else float("nan"),
+                "rel_err": relative_error(fn(*args), references[pass_name]),
             })
         except ValueError as e:      # a shape the impl rejects: say so, keep going
           notes.append(f"{name} {op} {impl}{'-bidi' if bidi else ''}: skipped ({e})")

@@ -8,7 +8,7 @@ fits mscale_jax.perf's GEMM efficiency curve to these rows.
 import jax
 import jax.numpy as jnp
 
-from experiments.timing import time_fn
+from experiments.timing import relative_error, time_fn
 from mscale_jax.flops import known_peak
 
 H, FFN, TP = 12288, 4 * 12288, 8
@@ -28,6 +28,8 @@ def run(size: str, warmup: int, repeats: int) -> dict:
   dtype = "float32" if device.platform == "cpu" else "bfloat16"
   peak = known_peak(device.device_kind, dtype)
   matmul = jax.jit(lambda a, b: a @ b)
+  exact = jax.jit(lambda a, b: jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
+                                          precision=jax.lax.Precision.HIGHEST))
   rows = []
   for m, k, n in SHAPES[size]:
     ka, kb = jax.random.split(jax.random.key(0))
@@ -35,12 +37,16 @@ def run(size: str, warmup: int, repeats: int) -> dict:
     b = jax.random.normal(kb, (k, n), jnp.dtype(dtype))
     stats = time_fn(matmul, a, b, warmup=warmup, repeats=repeats)
     seconds = stats["median_s"]
+    error = relative_error(matmul(a, b), exact(a, b), on_device=True)
     tflops = 2.0 * m * k * n / seconds / 1e12
-    rows.append({"m": m, "k": k, "n": n, "dtype": dtype, "median_s": seconds, "calls": stats["calls"],
+    rows.append({"m": m, "k": k, "n": n, "dtype": dtype, "median_s": seconds,
+                 "calls": stats["calls"],
                  "tflops": tflops, "peak_tflops": peak / 1e12 if peak else None,
-                 "efficiency": tflops / (peak / 1e12) if peak else None})
+                 "efficiency": tflops / (peak / 1e12) if peak else None, "rel_err": error})
   notes = [f"{dtype} on {device.device_kind}; calibrate the performance model with "
-           "python -m experiments.scaling_curves --calibrate=<this record>"]
+           "python -m experiments.scaling_curves --calibrate=<this record>",
+           "rel_err: ||a @ b - exact|| / ||exact||, exact = the float32 product of the same "
+           "inputs at Precision.HIGHEST (bf16 output rounding lands near 2e-3)"]
   if peak is None:
     notes.append("no data-sheet peak for this device: efficiency is empty and the record "
                  "cannot calibrate the model")

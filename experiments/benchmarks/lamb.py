@@ -98,7 +98,8 @@ def run(size: str, warmup: int, repeats: int) -> dict:
     times[impl] = t
     gbps = BYTES_PER_PARAM * count / t / 1e9
     row = {"params": f"{count / 1e6:.1f}M", "leaves": len(jax.tree.leaves(params)),
-           "impl": impl, "median_ms": t * 1e3, "calls": stats["calls"], "GB/s": gbps, "rel_err_vs_optax": error}
+           "impl": impl, "median_ms": t * 1e3, "calls": stats["calls"], "GB/s": gbps,
+           "rel_err_vs_optax": error}
     if peak:
       row["hbm_frac"] = gbps * 1e9 / peak
     if impl == "fused_lamb":
