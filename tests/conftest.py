@@ -119,7 +119,8 @@ SLOWEST_FIRST = ("test_slurm", "test_pipeline", "test_multiprocess", "test_os_fa
                  "test_notebooks", "test_hostile_input", "test_sdp4bit_train", "test_tp_comm",
                  "test_flash_attention", "test_collective_matmul", "test_kernel_bench",
                  "test_observability", "test_model", "test_convergence", "test_cli", "test_train",
-                 "test_prepared_data", "test_pipeline_eval", "test_sdp4bit", "test_sample", "test_optim", "test_lamb",
+                 "test_prepared_data", "test_pipeline_eval", "test_sdp4bit", "test_sample",
+                 "test_optim", "test_lamb",
                  "test_kernel_wiring", "test_resilience", "test_driver_policy", "test_callbacks",
                  "test_perf_intervals", "test_generate", "test_perf_plan", "test_minder",
                  "test_layer_norm", "test_schedule")
