@@ -77,7 +77,10 @@ def run(size: str, warmup: int, repeats: int) -> dict:
   notes = ["bf16 activations, fp32 scale/bias and statistics; GB/s = ideal bytes / median time",
            "rel_err: worst ||out - ref|| / ||ref|| over the outputs (gradients for fwd+bwd) "
            "against the XLA reference on float32 inputs",
-           "target: fused LayerNorm >= 80% of HBM bandwidth (H100 3.35 TB/s, H200 4.8 TB/s)"]
+           "target: fused LayerNorm >= 80% of HBM bandwidth (H100 3.35 TB/s, H200 4.8 TB/s)",
+           "calls: back-to-back calls per timed sample (one sync each, so dispatch and sync "
+           "do not count); they reuse the same inputs, 32-48 MiB each at full size against "
+           "a 50 MB (H100) L2, so a little of an input may still be cached from the last call"]
   if jax.devices()[0].platform == "cpu":
     notes.append("CPU: the Pallas kernel runs in the interpreter; times show interpreter "
                  "overhead, not kernel speed")
