@@ -31,27 +31,31 @@ def time_fn(fn, *args, warmup: int = 2, repeats: int = 5, min_sample_s: float = 
   """Times `fn(*args)` per call; returns {'median_s', 'min_s', 'max_s', 'repeats', 'calls'}.
 
   The first `warmup` calls compile and warm caches and are not counted. One more synchronised
-  call sets `calls` (see `calls_per_sample`); each of the `repeats` samples then dispatches
-  `calls` calls back to back and waits for the last one's outputs (`jax.block_until_ready`;
-  one device runs its work in order), so neither asynchronous dispatch hides work nor does one
-  host round trip per call inflate a sub-millisecond kernel's time. Times are per call
+  call sets `calls` (see `calls_per_sample`); where that is > 1, a batch of that many refines
+  it (one call's time includes a sync). Each of the `repeats` samples then dispatches `calls`
+  calls back to back and waits for the last one's outputs (`jax.block_until_ready`; one device
+  runs its work in order), so neither asynchronous dispatch hides work nor does one host round
+  trip per call inflate a sub-millisecond kernel's time. Times are per call
   (sample / calls). `max_calls=1` gives one synchronised call per sample. A stateful `fn`
   (one that carries donated buffers, say) works as long as calling it repeatedly is valid.
   """
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  calls = calls_per_sample(time.perf_counter() - start, min_sample_s, max_calls)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls)
+  calls = calls_per_sample(_per_call(fn, args, 1), min_sample_s, max_calls)
+  if calls > 1:          # one call's sync overhead made `calls` low: measure again, batched
+    calls = calls_per_sample(_per_call(fn, args, calls), min_sample_s, max_calls)
+  times = [_per_call(fn, args, calls) for _ in range(repeats)]
   return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
           "repeats": repeats, "calls": calls}
+
+
+def _per_call(fn, args, calls: int) -> float:
+  """Seconds per call of `calls` back-to-back calls of fn(*args), waiting for the last."""
+  start = time.perf_counter()
+  for _ in range(calls):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / calls
 
 
 def relative_error(out, ref, *, on_device: bool = False) -> float:

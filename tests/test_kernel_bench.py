@@ -53,15 +53,34 @@ def test_time_fn_reports_per_call_time_of_batched_samples(monkeypatch, seconds_p
   stats = timing.time_fn(fn, jnp.zeros(3), warmup=2, repeats=4, min_sample_s=0.02,
                          max_calls=200)
   assert stats["calls"] == calls
-  assert len(made) == 2 + 1 + 4 * calls          # warm-up, calibration, samples
+  refine = calls if calls > 1 else 0             # the batched calibration
+  assert len(made) == 2 + 1 + refine + 4 * calls  # warm-up, calibration, samples
   assert stats["median_s"] == pytest.approx(seconds_per_call)
   assert stats["min_s"] == pytest.approx(seconds_per_call)
   assert stats["repeats"] == 4
-  # One sync per warm-up call, the calibration call and each sample (not per timed call);
-  # each sample waits on its LAST call's output.
-  assert len(syncs) == 2 + 1 + 4
-  for i, out in enumerate(syncs[3:]):
-    np.testing.assert_array_equal(out, np.full(3, 3 + (i + 1) * calls))
+  # One sync per warm-up call, calibration and sample (not per timed call); each sample
+  # waits on its LAST call's output.
+  assert len(syncs) == 2 + 1 + (refine > 0) + 4
+  for i, out in enumerate(syncs[-4:]):
+    np.testing.assert_array_equal(out, np.full(3, 3 + refine + (i + 1) * calls))
+
+
+def test_time_fn_amortises_sync_overhead_over_the_batch(monkeypatch):
+  """A kernel of 0.1 ms behind a 1 ms sync: one synced call says 1.1 ms (K = 19); the batch of
+  19 says 0.153 ms a call, so K = 132 and the reported time is 0.1 + 1/132 ms, not 1.1 ms."""
+  clock = FakeClock()
+  monkeypatch.setattr(timing.time, "perf_counter", clock)
+  real_block = jax.block_until_ready
+
+  def block(out):
+    clock.now += 1e-3
+    return real_block(out)
+  monkeypatch.setattr(timing.jax, "block_until_ready", block)
+  fn, _ = _fake_kernel(clock, 1e-4)
+  stats = timing.time_fn(fn, jnp.zeros(3), warmup=1, repeats=3, min_sample_s=0.02,
+                         max_calls=200)
+  assert stats["calls"] == 132
+  assert stats["median_s"] == pytest.approx(1e-4 + 1e-3 / 132)
 
 
 def test_time_fn_max_calls_one_is_a_sync_per_call(monkeypatch):
