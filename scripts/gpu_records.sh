@@ -81,23 +81,26 @@ kernel() {   # kernel SECONDS NAME: one kernel benchmark as one step
   step "$1" "kernel_bench-$2" "$py" -m experiments.kernel_bench --kernel="$2" \
       --size="${KERNEL_SIZE:-auto}"
 }
-# Expected on an H100 (JAX 0.11): each kernel 15-30 s (flash attention, 48 rows, ~60-90 s),
-# the gpt_125m sweep ~130 s, gpt_1p3b ~75 s, the batch-8 rows ~45 s, the main job ~20 s.
+# Measured on an H100 (JAX 0.11, 12fb2cc): layer_norm 22 s, quantize 10 s, lamb 36 s, the
+# gpt_125m sweep 85 s, gpt_1p3b 69 s, the batch-8 rows 34 s, the main job 25 s. gemm (17 s with
+# one sync per call), collective_matmul and flash attention (48 rows; minutes in the first run)
+# did not finish within 35 / 35 / 120 s there; they now print a line per row, and flash
+# attention runs last, with what is left.
 kernel 40 layer_norm
 kernel 50 quantize
 kernel 45 lamb
-kernel 35 gemm
-kernel 120 flash_attention
+kernel 45 gemm
 # lamb_x3 at batch 16 x 3 does not fit gpt_125m's fp32 logits on an 80 GB card (it OOMed);
 # its row is in the batch-8 step.
-step 170 mfu_sweep-gpt_125m "$py" -m experiments.mfu_sweep \
+step 120 mfu_sweep-gpt_125m "$py" -m experiments.mfu_sweep \
     --variants=baseline,ptb,flash,swa,fused_ln,cudnn
-step 110 mfu_sweep-gpt_1p3b "$py" -m experiments.mfu_sweep \
+step 100 mfu_sweep-gpt_1p3b "$py" -m experiments.mfu_sweep \
     --config=experiments/configs/gpt_1p3b.py --variants=baseline,megascale --steps=5
-kernel 35 collective_matmul      # one GPU: every impl is a local dot (a multi-GPU figure later)
-step 70 mfu_sweep-gpt_125m-batch8 "$py" -m experiments.mfu_sweep \
+step 60 mfu_sweep-gpt_125m-batch8 "$py" -m experiments.mfu_sweep \
     --config.train.global_batch=8 --variants=fused_ln,lamb_x3
 step 40 train-gpt_tiny "$py" -m experiments.train --record \
     --workdir=/tmp/mscale-train-gpt_tiny
+kernel 35 collective_matmul      # one GPU: every impl is a local dot (a multi-GPU figure later)
+kernel 300 flash_attention
 echo "new records ($(( $(date +%s) - start ))s):"
 find results -maxdepth 1 -newermt "@$start" -name '*-gpu-*' | sort

@@ -18,6 +18,7 @@ devices. TPU: all three run natively (Pallas rows need their operands to fit in 
 GPU: 'pallas' is a TPU kernel and is skipped; 'xla' vs 'ppermute' is the real comparison.
 """
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,7 @@ def run(size: str, warmup: int, repeats: int, ring: int = 8) -> dict:
     notes.append("GPU: 'pallas' is a TPU kernel (Mosaic) and is not timed here.")
   rows = []
   rng = np.random.RandomState(0)
+  start = time.perf_counter()
   for name, m, ag_kn, rs_kn in _table(size, platform):
     for op, (k, n) in (("all_gather_matmul", ag_kn), ("matmul_reduce_scatter", rs_kn)):
       if op == "all_gather_matmul":
@@ -156,8 +158,10 @@ def run(size: str, warmup: int, repeats: int, ring: int = 8) -> dict:
                 "calls": t["calls"],
                 "tflops_per_device": mult * flops / t["median_s"] / 1e12,
                 "ratio_to_xla": t["median_s"] / base[key] if key in base else float("nan"),
-                "rel_err": relative_error(fn(*args), references[pass_name]),
+                "rel_err": relative_error(fn(*args), references[pass_name], on_device=True),
             })
+            print(f"[collective_matmul] {name} {op} {rows[-1]['impl']} {pass_name} done at "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
         except ValueError as e:      # a shape the impl rejects: say so, keep going
           notes.append(f"{name} {op} {impl}{'-bidi' if bidi else ''}: skipped ({e})")
   return {"rows": rows, "notes": notes}

@@ -11,6 +11,7 @@ in the input dtype) and, on GPU, 'cudnn' (the same call with implementation='cud
 accelerator, rows named 'pallas FQxFK bwd BQxBK' also sweep block sizes on two shapes.
 """
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,7 @@ def run(size: str, warmup: int, repeats: int) -> dict:
   dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
   block = _CPU_BLOCKS.get(size) if platform == "cpu" else None
   rows, notes = [], []
+  start = time.perf_counter()
   for label, batch, seq_len, heads, head_dim, window in _SHAPES[size]:
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = [jax.random.normal(key, (batch, seq_len, heads, head_dim), dtype)
@@ -148,7 +150,9 @@ def run(size: str, warmup: int, repeats: int) -> dict:
         row["median_ms"] = stats["median_s"] * 1e3
         row["calls"] = stats["calls"]
         row["tflops"] = flops / stats["median_s"] / 1e12
-        row["rel_err"] = relative_error(wrapped(*args), references[pass_])
+        row["rel_err"] = relative_error(wrapped(*args), references[pass_], on_device=True)
+        print(f"[flash_attention] {label} {impl} {pass_} done at "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
         times[(impl, pass_)] = stats["median_s"]
         rows.append(row)
     baseline = "cudnn" if platform == "gpu" else "xla_reference"

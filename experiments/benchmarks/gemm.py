@@ -5,6 +5,8 @@ the parallel block's merged GEMMs) at 2,048 and 8,192 tokens, the 1,024-row chun
 collective matmul runs, and squares. `python -m experiments.scaling_curves --calibrate=<record>`
 fits mscale_jax.perf's GEMM efficiency curve to these rows.
 """
+import time
+
 import jax
 import jax.numpy as jnp
 
@@ -28,8 +30,10 @@ def run(size: str, warmup: int, repeats: int) -> dict:
   dtype = "float32" if device.platform == "cpu" else "bfloat16"
   peak = known_peak(device.device_kind, dtype)
   matmul = jax.jit(lambda a, b: a @ b)
-  exact = jax.jit(lambda a, b: jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
-                                          precision=jax.lax.Precision.HIGHEST))
+  # The inputs' exact products summed in float32 (bf16 x bf16 is exact in float32): the same
+  # cheap GEMM with a float32 output, where a float32 Precision.HIGHEST product was not.
+  exact = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+  start = time.perf_counter()
   rows = []
   for m, k, n in SHAPES[size]:
     ka, kb = jax.random.split(jax.random.key(0))
@@ -38,6 +42,7 @@ def run(size: str, warmup: int, repeats: int) -> dict:
     stats = time_fn(matmul, a, b, warmup=warmup, repeats=repeats)
     seconds = stats["median_s"]
     error = relative_error(matmul(a, b), exact(a, b), on_device=True)
+    print(f"[gemm] {m}x{k}x{n} done at {time.perf_counter() - start:.1f} s", flush=True)
     tflops = 2.0 * m * k * n / seconds / 1e12
     rows.append({"m": m, "k": k, "n": n, "dtype": dtype, "median_s": seconds,
                  "calls": stats["calls"],
@@ -45,8 +50,8 @@ def run(size: str, warmup: int, repeats: int) -> dict:
                  "efficiency": tflops / (peak / 1e12) if peak else None, "rel_err": error})
   notes = [f"{dtype} on {device.device_kind}; calibrate the performance model with "
            "python -m experiments.scaling_curves --calibrate=<this record>",
-           "rel_err: ||a @ b - exact|| / ||exact||, exact = the float32 product of the same "
-           "inputs at Precision.HIGHEST (bf16 output rounding lands near 2e-3)"]
+           "rel_err: ||a @ b - exact|| / ||exact||, exact = the same inputs' products summed "
+           "in float32 (preferred_element_type); bf16 output rounding lands near 2e-3"]
   if peak is None:
     notes.append("no data-sheet peak for this device: efficiency is empty and the record "
                  "cannot calibrate the model")
