@@ -1,13 +1,16 @@
 """What the replica-consistency check before each save costs (mscale_jax/replicas.py).
 
-  python -m experiments.replica_check_cost [--steps=60] [--checkpoint_every=10]
+  python -m experiments.replica_check_cost [--steps=60] [--checkpoint_every=10] [--restart]
 
 Runs gpt_tiny as the fault drill does (2 processes x 4 CPU devices under the launcher, mesh
 data=2 x tensor=4, so every parameter and optimizer state has one replica per process) and reads
 process 0's per-save figures from its summary.json: `replica_check_s` (the check: the checksum
 program and the all-gather of the table across processes; the first save's includes compiling
 the program), next to `stall_s` (how long the same save then held the loop) and the median step
-time of the same run (its logged intervals, the first left out).
+time of the same run (its logged intervals, the first left out). With `--restart` the driver
+kills process 1 half way (a `kill` fault) and restarts the group, as in the fault drill
+(restored from the last checkpoint, executables from the per-process compile cache); the
+figures are then those of the restarted group, whose first check is `first_check_s`.
 """
 import json
 import os
@@ -22,6 +25,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
 flags.DEFINE_integer("steps", 60, "Training steps.")
 flags.DEFINE_integer("checkpoint_every", 10, "Steps between saves (each save is checked).")
+flags.DEFINE_bool("restart", False, "Kill process 1 half way; measure the restarted group.")
 flags.DEFINE_string("workdir", None, "Run folder (default: a new temporary one).")
 flags.DEFINE_string("out_dir", None, "Record folder (default: results/).")
 
@@ -29,16 +33,7 @@ flags.DEFINE_string("out_dir", None, "Record folder (default: results/).")
 def main(argv):
   del argv
   workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="replica_check_cost-")
-  train = [f"--config={FLAGS.config}", f"--config.train.steps={FLAGS.steps}",
-           f"--config.train.checkpoint_every={FLAGS.checkpoint_every}",
-           f"--config.train.log_every={FLAGS.checkpoint_every}",
-           f"--config.train.eval_every={FLAGS.steps}"]
-  result = job.run(workdir, ["--num_processes=2", "--devices_per_process=4", "--nostandby"],
-                   train, timeout_s=1200, echo=True)
-  if result.status != 0:
-    raise SystemExit(f"the run failed (status {result.status}):\n{result.tail()}")
-  with open(os.path.join(workdir, "summary.json")) as f:
-    summary = json.load(f)
+  summary = _run(workdir)
   saves = summary["checkpoint_saves"]
   later = saves[1:]
   with open(os.path.join(workdir, "metrics.jsonl")) as f:   # the first: right after compiling
@@ -52,6 +47,9 @@ def main(argv):
       "mesh": summary["mesh"],
       "num_params": summary.get("num_params"),
   }
+  if FLAGS.restart:
+    figures["restarted"] = True
+    figures["train_step"] = _train_step_served(workdir)
   device = {"platform": "cpu", "processes": 2, "devices_per_process": 4,
             "host_cpu_count": os.cpu_count()}
   path = results.write_record("replica_check_cost-" + summary["config"], figures,
@@ -59,6 +57,34 @@ def main(argv):
                               extra={"workdir": workdir})
   print(json.dumps({k: v for k, v in figures.items() if k != "saves"}, indent=1))
   print(f"record: {path}")
+
+
+def _run(workdir: str) -> dict:
+  """Runs the job in `workdir` (with --restart: killed half way and restarted); the last
+  group's summary.json."""
+  train = [f"--config={FLAGS.config}", f"--config.train.steps={FLAGS.steps}",
+           f"--config.train.checkpoint_every={FLAGS.checkpoint_every}",
+           f"--config.train.log_every={FLAGS.checkpoint_every}",
+           f"--config.train.eval_every={FLAGS.steps}"]
+  launcher = ["--num_processes=2", "--devices_per_process=4", "--nostandby"]
+  if FLAGS.restart:
+    kill_at = FLAGS.steps // 2 + FLAGS.checkpoint_every // 2
+    launcher += [f"--fault=kill:rank=1:step={kill_at}", "--max_restarts=1"]
+  result = job.run(workdir, launcher, train, timeout_s=1200, echo=True)
+  if result.status != 0:
+    raise SystemExit(f"the run failed (status {result.status}):\n{result.tail()}")
+  with open(os.path.join(workdir, "summary.json")) as f:
+    return json.load(f)
+
+
+def _train_step_served(workdir: str) -> str:
+  """'loaded' or 'compiled': what process 0's last log says of its train step."""
+  logs = os.path.join(workdir, "logs")
+  last = max((f for f in os.listdir(logs) if f.endswith("rank0.log")),
+             key=lambda f: os.path.getmtime(os.path.join(logs, f)))
+  with open(os.path.join(logs, last)) as f:
+    said = [line for line in f if "the train step in" in line]
+  return said[-1].split("the train step")[0].split()[-1] if said else "unknown"
 
 
 if __name__ == "__main__":

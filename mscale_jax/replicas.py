@@ -9,9 +9,10 @@ array with those of the other devices holding the same block, within a process a
 processes.
 
 Cost: one compiled program computes two uint32 checksums per device and array (a plain and a
-position-weighted sum of the bits: any single changed element changes the weighted one), and one
-all-gather of that small table to every process; every process takes the same path and reaches
-the same verdict.
+position-weighted sum of the bits: any single changed element changes the weighted one) and
+all-gathers that small table to every device; every process takes the same path and reaches
+the same verdict. The program goes through the per-process compile cache
+(mscale_jax/compile_cache.py), so a restarted job loads it instead of compiling it again.
 """
 import dataclasses
 import functools
@@ -19,8 +20,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mscale_jax import compile_cache
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -87,16 +89,23 @@ def _block_checksum(x):
 
 
 @functools.lru_cache(maxsize=8)
-def _program(mesh, specs: tuple):
-  """The compiled checksum table of arrays laid out as `specs` on `mesh`: a global
-  [*mesh.shape, num_arrays, 2] uint32 array, one [num_arrays, 2] block per device."""
+def _program(mesh, layouts: tuple):
+  """The executable of the checksum table of arrays laid out as `layouts` ((shape, dtype,
+  sharding) each) on `mesh`: a [*mesh.shape, num_arrays, 2] uint32 array, one [num_arrays, 2]
+  block per device, replicated on every device (so every process reads all of it)."""
   lead = (1,) * len(mesh.axis_names)
 
   def per_device(*blocks):
     return jnp.stack([_block_checksum(b) for b in blocks]).reshape(lead + (len(blocks), 2))
 
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=specs,
-                               out_specs=P(*mesh.axis_names), check_vma=False))
+  specs = tuple(sharding.spec for *_, sharding in layouts)
+  table = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=specs,
+                                out_specs=P(*mesh.axis_names), check_vma=False),
+                  out_shardings=NamedSharding(mesh, P()))
+  args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+          for shape, dtype, sharding in layouts]
+  executable, _ = compile_cache.compile_or_load(table.lower(*args), "replica_check", mesh.size)
+  return executable
 
 
 @functools.lru_cache(maxsize=4096)
@@ -122,8 +131,8 @@ def checksums(tree) -> tuple[list, list, np.ndarray]:
   mesh = chosen[0][1].sharding.mesh
   chosen = [(p, x) for p, x in chosen if x.sharding.mesh == mesh]
   paths, arrays = [p for p, _ in chosen], [x for _, x in chosen]
-  out = _program(mesh, tuple(x.sharding.spec for x in arrays))(*arrays)
-  table = np.asarray(multihost_utils.process_allgather(out, tiled=True))
+  program = _program(mesh, tuple((x.shape, x.dtype, x.sharding) for x in arrays))
+  table = np.asarray(program(*arrays))
   by_device = np.zeros((max(d.id for d in mesh.devices.flat) + 1, len(arrays), 2), np.uint32)
   for position, device in np.ndenumerate(mesh.devices):
     by_device[device.id] = table[position]

@@ -3,6 +3,7 @@ pass; one replica changed on one device, by one bit, is caught and named, and th
 refuses the save so the previous checkpoint stays the latest. The corruption here is made by
 hand (a perturbed shard put back on its device), not by the `bad_slot` fault's code."""
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,41 @@ def test_one_flipped_bit_on_one_device_is_caught_and_named(leaf):
     with pytest.raises(replicas.ReplicaDivergenceError, match=f"at step 9: process 0") as e:
       replicas.check(state, step=9)
     assert e.value.culprit == 0 and e.value.step == 9
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+  previous = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+  replicas._program.cache_clear()
+  yield tmp_path
+  jax.config.update("jax_compilation_cache_dir", previous)
+  replicas._program.cache_clear()
+
+
+def test_a_restarted_process_loads_the_check_from_the_compile_cache(cache_dir, monkeypatch):
+  """What a restart sees: the in-process memo empty, the per-process cache entry written by the
+  run before. The loaded program is the one that catches a flipped bit."""
+  served = []
+  compile_or_load = replicas.compile_cache.compile_or_load
+
+  def spy(*args):
+    executable, loaded = compile_or_load(*args)
+    served.append(loaded)
+    return executable, loaded
+
+  monkeypatch.setattr(replicas.compile_cache, "compile_or_load", spy)
+  mesh = jax.make_mesh((4, 2), ("data", "tensor"))   # every device: the cache serves it
+  rng = np.random.default_rng(7)
+  replicas.check(_state(mesh, 0))
+  assert served == [False]
+  assert [f.split("-p0-")[0] for f in os.listdir(cache_dir / "per-process")] == ["replica_check"]
+  replicas._program.cache_clear()   # a new process
+  state = _state(mesh, 1)
+  state["params"]["w"] = _flip_bit(state["params"]["w"], 5, rng)
+  with pytest.raises(replicas.ReplicaDivergenceError, match="process 0 differs"):
+    replicas.check(state, step=3)
+  assert served == [False, True]
 
 
 def test_two_replicas_that_differ_name_no_majority():

@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 
 from mscale_jax.resilience.driver.standby import StandbyPool, module_of
 
@@ -48,3 +49,39 @@ def test_a_dead_standby_takes_no_orders(tmp_path):
   proc.wait()
   assert not pool.order(proc, [], {}, str(tmp_path / "log"))
   assert pool.take() is None
+
+
+def _nice_of_threads(pid: int) -> list[int]:
+  """The nice value of each live thread of `pid` (field 19 of /proc/PID/task/TID/stat)."""
+  values = []
+  for tid in os.listdir(f"/proc/{pid}/task"):
+    try:
+      with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        values.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    except FileNotFoundError:   # the thread ended meanwhile
+      pass
+  return values
+
+
+def test_a_standby_imports_at_low_priority_and_its_worker_runs_at_normal(tmp_path):
+  """The imports ran on a thread at nice 19 (its own reading of its priority); once they are
+  done no thread of the process is left below the priority it started at, so the worker it becomes (and
+  every thread that worker starts) competes as a cold-started one would."""
+  (tmp_path / "target_module.py").write_text(TARGET)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]))
+  pool = StandbyPool([sys.executable, "-m", "target_module"], 1, env, str(tmp_path))
+  try:
+    pool.fill()
+    (proc,) = pool.procs
+    log = tmp_path / "standby0.log"
+    deadline = time.time() + 120
+    while "[standby] preloaded" not in log.read_text() and time.time() < deadline:
+      assert proc.poll() is None, log.read_text()
+      time.sleep(0.2)
+    line = [x for x in log.read_text().splitlines() if x.startswith("[standby] preloaded")]
+    assert line and " at nice 19 in " in line[0], log.read_text()
+    time.sleep(0.5)   # the thread returns right after its line
+    normal = os.getpriority(os.PRIO_PROCESS, 0)   # what this test runs at (nice under CI)
+    assert _nice_of_threads(proc.pid) and set(_nice_of_threads(proc.pid)) == {normal}
+  finally:
+    pool.close()

@@ -13,12 +13,23 @@ to be set up), and waits for one line of JSON on stdin, its orders:
 
 It then sends its output to the log, takes the environment, and runs MODULE as `__main__` with
 `argv`, exactly as `python -m MODULE ARGV...` would. A closed stdin without orders ends it.
+
+The imports run at the lowest CPU priority (nice 19, on a thread of their own). A standby is
+started while its group trains, and under Linux's autogroup scheduling the CPU a job's session
+gets is shared among that session's processes: at normal priority the two standbys' ~1.5 CPU
+seconds each came out of the training workers' share, and the fault drill's steps ran ~50%
+slower in the ~10 s after every restart. At nice 19 they use what the workers leave. The worker
+itself keeps normal priority: the low-priority thread ends before orders are run, and NumPy
+(whose BLAS starts its threads at import, and they would inherit the thread's priority) is
+imported first on the main thread.
 """
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 # What every worker imports anyway (experiments.train's own module runs later, as __main__).
 PRELOAD = ("jax", "jax.numpy", "numpy", "flax.nnx", "optax", "orbax.checkpoint", "grain",
@@ -94,12 +105,35 @@ def kill_process_groups(procs: list[subprocess.Popen]) -> None:
     proc.wait()
 
 
-def main(module: str) -> None:
+LOW_PRIORITY = 19   # nice value of the preload thread
+
+
+def preload(names=PRELOAD) -> threading.Thread:
+  """Starts importing `names` on a thread at nice `LOW_PRIORITY` (Linux nice is per thread);
+  join it before running anything that needs them. Prints one line when done."""
   import importlib
+  import numpy   # noqa: F401 (its BLAS threads must start at the main thread's priority)
+
+  def load():
+    start, cpu = time.time(), time.thread_time()
+    me = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, me, LOW_PRIORITY)
+    for name in names:
+      importlib.import_module(name)
+    nice = os.getpriority(os.PRIO_PROCESS, me)
+    print(f"[standby] preloaded {len(names)} modules at nice {nice} in "
+          f"{time.time() - start:.1f} s ({time.thread_time() - cpu:.1f} CPU s)", flush=True)
+
+  thread = threading.Thread(target=load, name="standby-preload", daemon=True)
+  thread.start()
+  return thread
+
+
+def main(module: str) -> None:
   import runpy
-  for name in PRELOAD:
-    importlib.import_module(name)
+  loader = preload()
   line = sys.stdin.readline()
+  loader.join()   # orders that come early wait for the imports (the restart frees the CPU)
   if not line:
     return
   orders = json.loads(line)
