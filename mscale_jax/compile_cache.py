@@ -33,33 +33,36 @@ def cache_folder() -> str | None:
 _HOST_CALLBACK = re.compile(r"custom_call @\w*python\w*callback")
 
 
-def cache_key(program_text: str) -> str:
-  """A digest of the program (its lowered text) and of what ties its executable to this
-  process and runtime."""
+def cache_key(program_text: str, device_order: list[int]) -> str:
+  """A digest of the program (its lowered text), the devices it runs on in mesh order (the
+  text names mesh positions, not devices: two meshes of one shape lower alike) and what ties
+  its executable to this process and runtime."""
   import jaxlib
   devices = [(d.id, d.process_index, d.platform, d.device_kind) for d in jax.devices()]
   parts = [jax.__version__, jaxlib.__version__, str(jax.process_index()),
-           str(jax.process_count()), repr(devices), os.environ.get("XLA_FLAGS", ""),
-           program_text]
+           str(jax.process_count()), repr(devices), repr(device_order),
+           os.environ.get("XLA_FLAGS", ""), program_text]
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 
-def compile_or_load(lowered, name: str, num_devices: int):
+def compile_or_load(lowered, name: str, mesh: jax.sharding.Mesh):
   """(executable, loaded): `lowered` compiled, or loaded from this process's cache.
 
-  `num_devices`: how many devices the program runs on. A loaded executable is placed on all of
-  `jax.devices()`, so a program on fewer is always compiled, as is one that calls back into
+  `mesh`: the mesh the program is sharded over; its devices, in order, are part of the key. A
+  loaded executable is placed on all of `jax.devices()`, so a program on fewer is always
+  compiled, as is one that calls back into
   Python (serialising it crashes). `loaded` says whether the cache
   served it. A missing, stale or unreadable entry is compiled afresh and (re)written
   atomically; a cache that cannot be written only logs a warning.
   """
   folder = cache_folder()
-  if folder is None or num_devices != jax.device_count():
+  if folder is None or mesh.size != jax.device_count():
     return lowered.compile(), False
   text = lowered.as_text()
   if _HOST_CALLBACK.search(text):
     return lowered.compile(), False   # such executables cannot be serialised (JAX skips them too)
-  path = os.path.join(folder, f"{name}-p{jax.process_index()}-{cache_key(text)}.pkl")
+  key = cache_key(text, [d.id for d in mesh.devices.flat])
+  path = os.path.join(folder, f"{name}-p{jax.process_index()}-{key}.pkl")
   if os.path.exists(path):
     try:
       with open(path, "rb") as f:

@@ -104,7 +104,7 @@ def _program(mesh, layouts: tuple):
                   out_shardings=NamedSharding(mesh, P()))
   args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
           for shape, dtype, sharding in layouts]
-  executable, _ = compile_cache.compile_or_load(table.lower(*args), "replica_check", mesh.size)
+  executable, _ = compile_cache.compile_or_load(table.lower(*args), "replica_check", mesh)
   return executable
 
 

@@ -243,7 +243,7 @@ class Trainer:
       batches = [self.device_batch(b) for b in self.eval_batches]
       if self._eval_executable is None:
         self._eval_executable, _ = compile_cache.compile_or_load(
-            self._eval_loss.lower(params, batches[0]), "eval_loss", self.mesh.size)
+            self._eval_loss.lower(params, batches[0]), "eval_loss", self.mesh)
       losses = [self._eval_executable(params, b) for b in batches]
     return float(np.mean([float(x) for x in losses]))
 
@@ -313,7 +313,7 @@ class Trainer:
     compile_start = time.perf_counter()
     run.batch = self.device_batch(next(self.train_iter))   # the first step's batch
     program, loaded = compile_cache.compile_or_load(
-        self.lower_step(run.state, run.batch), "train_step", self.mesh.size)
+        self.lower_step(run.state, run.batch), "train_step", self.mesh)
     run.compile_s = time.perf_counter() - compile_start
     log.info("%s the train step in %.1f s", "loaded" if loaded else "compiled", run.compile_s)
     run.data_pos = self.train_iter.get_state()["step"]   # global batches taken so far
