@@ -33,7 +33,7 @@ MODES = ("none", "normal", "low")
 IMPORTER = {
     "normal": "import importlib\nfrom mscale_jax.resilience.driver.standby import PRELOAD\n"
               "for n in PRELOAD: importlib.import_module(n)\n",
-    "low": "from mscale_jax.resilience.driver.standby import preload\npreload().join()\n",
+    "low": "from mscale_jax.resilience.driver.standby import preload\npreload()[0].join()\n",
 }
 
 

@@ -51,37 +51,54 @@ def test_a_dead_standby_takes_no_orders(tmp_path):
   assert pool.take() is None
 
 
-def _nice_of_threads(pid: int) -> list[int]:
-  """The nice value of each live thread of `pid` (field 19 of /proc/PID/task/TID/stat)."""
-  values = []
-  for tid in os.listdir(f"/proc/{pid}/task"):
-    try:
-      with open(f"/proc/{pid}/task/{tid}/stat") as f:
-        values.append(int(f.read().rsplit(")", 1)[1].split()[16]))
-    except FileNotFoundError:   # the thread ended meanwhile
-      pass
-  return values
+NICE_TARGET = """
+import json, os, sys, threading
+import jax.numpy as jnp
+threading.Thread(target=lambda: None).start()   # a thread the worker itself starts
+jnp.ones(4).block_until_ready()                  # and the backend's
+nice = []
+for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        nice.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+print(json.dumps({"nice": nice, "jax_loaded": "jax" in sys.modules}))
+"""
+
+
+def _run_nice_target(tmp_path, wait_for_preload: bool) -> tuple[dict, str]:
+  """Fills a one-standby pool, optionally waits for its imports, orders it to run NICE_TARGET;
+  returns what the worker reported and the standby's own log."""
+  (tmp_path / "nice_target.py").write_text(NICE_TARGET)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]))
+  pool = StandbyPool([sys.executable, "-m", "nice_target"], 1, env, str(tmp_path))
+  try:
+    pool.fill()
+    standby_log = tmp_path / "standby0.log"
+    deadline = time.time() + 120
+    while wait_for_preload and "[standby] preloaded" not in standby_log.read_text():
+      assert time.time() < deadline and pool.procs[0].poll() is None, standby_log.read_text()
+      time.sleep(0.2)
+    worker = pool.take()
+    log = tmp_path / "worker.log"
+    assert pool.order(worker, [], {}, str(log))
+    assert worker.wait(timeout=120) == 0, log.read_text()
+    return json.loads(log.read_text().strip().splitlines()[-1]), standby_log.read_text()
+  finally:
+    pool.close()
 
 
 def test_a_standby_imports_at_low_priority_and_its_worker_runs_at_normal(tmp_path):
-  """The imports ran on a thread at nice 19 (its own reading of its priority); once they are
-  done no thread of the process is left below the priority it started at, so the worker it becomes (and
-  every thread that worker starts) competes as a cold-started one would."""
-  (tmp_path / "target_module.py").write_text(TARGET)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]))
-  pool = StandbyPool([sys.executable, "-m", "target_module"], 1, env, str(tmp_path))
-  try:
-    pool.fill()
-    (proc,) = pool.procs
-    log = tmp_path / "standby0.log"
-    deadline = time.time() + 120
-    while "[standby] preloaded" not in log.read_text() and time.time() < deadline:
-      assert proc.poll() is None, log.read_text()
-      time.sleep(0.2)
-    line = [x for x in log.read_text().splitlines() if x.startswith("[standby] preloaded")]
-    assert line and " at nice 19 in " in line[0], log.read_text()
-    time.sleep(0.5)   # the thread returns right after its line
-    normal = os.getpriority(os.PRIO_PROCESS, 0)   # what this test runs at (nice under CI)
-    assert _nice_of_threads(proc.pid) and set(_nice_of_threads(proc.pid)) == {normal}
-  finally:
-    pool.close()
+  """The imports ran on a thread at nice 19 (its own reading of its priority); the worker the
+  standby becomes, and every thread it starts, runs at the priority the standby started at."""
+  said, standby_log = _run_nice_target(tmp_path, wait_for_preload=True)
+  line = [x for x in standby_log.splitlines() if x.startswith("[standby] preloaded")]
+  assert line and " at nice 19 in " in line[0], standby_log
+  normal = os.getpriority(os.PRIO_PROCESS, 0)   # what this test runs at (nice under CI)
+  assert said["jax_loaded"] and len(said["nice"]) > 2 and set(said["nice"]) == {normal}
+
+
+def test_orders_before_the_imports_end_run_at_normal_priority(tmp_path):
+  """Orders sent at once stop the low-priority imports; the worker still has every library
+  and no thread of it is left at nice 19."""
+  said, _ = _run_nice_target(tmp_path, wait_for_preload=False)
+  normal = os.getpriority(os.PRIO_PROCESS, 0)
+  assert said["jax_loaded"] and set(said["nice"]) == {normal}

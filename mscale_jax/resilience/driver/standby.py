@@ -17,12 +17,15 @@ It then sends its output to the log, takes the environment, and runs MODULE as `
 The imports run at the lowest CPU priority (nice 19, on a thread of their own). A standby is
 started while its group trains, and under Linux's autogroup scheduling the CPU a job's session
 gets is shared among that session's processes: at normal priority the two standbys' ~1.5 CPU
-seconds each came out of the training workers' share, and the fault drill's steps ran ~50%
-slower in the ~10 s after every restart. At nice 19 they use what the workers leave. The worker
-itself keeps normal priority: the low-priority thread ends before orders are run, and NumPy
-(whose BLAS starts its threads at import, and they would inherit the thread's priority) is
-imported first on the main thread.
+seconds each came out of the training workers' share, and the fault drill's steps ran up to
+2.8x slower in the ~15 s after every restart. At nice 19 they use what the workers leave. The
+worker itself keeps normal priority: orders that come before the imports are done stop the
+low-priority thread after its current module and the rest is imported on the main thread (a
+restart soon after a restart waits for no nice-19 work), the thread has ended before orders are
+run, and NumPy (whose BLAS starts its threads at import, and they would inherit the thread's
+priority) is imported first on the main thread.
 """
+import importlib
 import json
 import os
 import signal
@@ -35,6 +38,7 @@ import time
 PRELOAD = ("jax", "jax.numpy", "numpy", "flax.nnx", "optax", "orbax.checkpoint", "grain",
            "ml_collections", "absl.app", "tqdm", "mscale_jax.train", "mscale_jax.callbacks.worker",
            "mscale_jax.resilience.worker.selfcheck")
+LOW_PRIORITY = 19   # nice value of the preload thread
 
 
 def module_of(command: list[str]) -> str | None:
@@ -105,37 +109,42 @@ def kill_process_groups(procs: list[subprocess.Popen]) -> None:
     proc.wait()
 
 
-LOW_PRIORITY = 19   # nice value of the preload thread
-
-
-def preload(names=PRELOAD) -> threading.Thread:
+def preload(names=PRELOAD) -> tuple[threading.Thread, threading.Event]:
   """Starts importing `names` on a thread at nice `LOW_PRIORITY` (Linux nice is per thread);
-  join it before running anything that needs them. Prints one line when done."""
-  import importlib
+  returns (thread, stop): setting `stop` ends the thread after its current module. Prints one
+  line when done, saying how many it imported."""
   import numpy   # noqa: F401 (its BLAS threads must start at the main thread's priority)
+  stop = threading.Event()
 
   def load():
     start, cpu = time.time(), time.thread_time()
     me = threading.get_native_id()
     os.setpriority(os.PRIO_PROCESS, me, LOW_PRIORITY)
+    done = 0
     for name in names:
+      if stop.is_set():
+        break
       importlib.import_module(name)
+      done += 1
     nice = os.getpriority(os.PRIO_PROCESS, me)
-    print(f"[standby] preloaded {len(names)} modules at nice {nice} in "
+    print(f"[standby] preloaded {done} of {len(names)} modules at nice {nice} in "
           f"{time.time() - start:.1f} s ({time.thread_time() - cpu:.1f} CPU s)", flush=True)
 
   thread = threading.Thread(target=load, name="standby-preload", daemon=True)
   thread.start()
-  return thread
+  return thread, stop
 
 
 def main(module: str) -> None:
   import runpy
-  loader = preload()
+  loader, stop = preload()
   line = sys.stdin.readline()
-  loader.join()   # orders that come early wait for the imports (the restart frees the CPU)
+  stop.set()      # orders (or none): no more imports at low priority
+  loader.join()
   if not line:
     return
+  for name in PRELOAD:   # what the thread had not reached, at normal priority
+    importlib.import_module(name)
   orders = json.loads(line)
   fd = os.open(orders["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
   sys.stdout.flush()
