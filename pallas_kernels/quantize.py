@@ -98,7 +98,8 @@ def _dequantize_kernel(*refs, bits, hadamard):
 
 
 def block_groups(groups: int, g: int) -> int:
-  """Groups per program: 64, fewer for long groups (<= 8192 values a block), <= `groups`."""
+  """Groups per program: 64, fewer for long groups (a block holds <= 8192 values, but always
+  at least one group, so a group of more than 8192 values is a block alone), <= `groups`."""
   return max(1, min(groups, _BLOCK_GROUPS, _BLOCK_VALUES // g))
 
 

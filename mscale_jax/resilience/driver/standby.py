@@ -16,9 +16,9 @@ It then sends its output to the log, takes the environment, and runs MODULE as `
 
 The imports run at the lowest CPU priority (nice 19, on a thread of their own). A standby is
 started while its group trains, and under Linux's autogroup scheduling the CPU a job's session
-gets is shared among that session's processes: at normal priority the two standbys' ~1.5 CPU
-seconds each came out of the training workers' share, and the fault drill's steps ran up to
-2.8x slower in the ~15 s after every restart. At nice 19 they use what the workers leave. The
+gets is shared among that session's processes: at normal priority the two standbys' ~2 CPU
+seconds each came out of the training workers' share, and the fault drill's steps after every
+restart ran slower until they were done. At nice 19 they use what the workers leave. The
 worker itself keeps normal priority: orders that come before the imports are done stop the
 low-priority thread after its current module and the rest is imported on the main thread (a
 restart soon after a restart waits for no nice-19 work), the thread has ended before orders are
