@@ -4,7 +4,6 @@ schedule. A tick that files nothing writes a spare last slot (the switch's branc
 return the same record)."""
 import jax.numpy as jnp
 
-from mscale_jax.mesh import RESIDUAL, constrain
 from mscale_jax.parallel import pipeline_plan as plan_lib
 from mscale_jax.parallel import schedule as schedule_lib
 
@@ -34,18 +33,14 @@ class Pools:
           keys.append(key)
         where.append((pool, keys.index(key)))
       self.layout[op.first, op.last] = where
-    self.act_shape = program.act.shape
 
   def zeros(self) -> dict:
     """The pools, each array [slots + 1, *shape]: the last slot takes writes of ticks that
     file nothing."""
-    out = {}
-    for pool, keys in self.arrays.items():
-      slots = self.plan.stash_slots[pool] + 1
-      out[pool] = [jnp.zeros((slots,) + shape, dtype) for shape, dtype, _ in keys]
-      out[pool] = [constrain(a, (None,) + RESIDUAL) if a.shape[1:] == self.act_shape
-                   else a for a in out[pool]]
-    return out
+    # No layout asked for: XLA lays each out as the records filed into it are (asked for the
+    # activations' layout, it resharded a record on every tick, with an all-to-all).
+    return {pool: [jnp.zeros((self.plan.stash_slots[pool] + 1,) + shape, dtype)
+                   for shape, dtype, _ in keys] for pool, keys in self.arrays.items()}
 
   def blank(self) -> dict:
     """A record of one slot of every array, zeros (what a tick that files nothing writes)."""
