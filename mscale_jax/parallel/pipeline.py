@@ -302,8 +302,8 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
       send_f, send_b = out_f, out_b
     inbox = carry["inbox"]
     if ring_f:   # a tick where no stage receives files zeros into every stage's spare slot
-      inbox = inbox.at[f["recv_f"]].set(_permute(send_f, ring_f, every["send_f"]))
-      inbox = inbox.at[f["recv_b"]].set(_permute(send_b, ring_b, every["send_b"]))
+      inbox = pools_lib.put(inbox, _permute(send_f, ring_f, every["send_f"]), f["recv_f"])
+      inbox = pools_lib.put(inbox, _permute(send_b, ring_b, every["send_b"]), f["recv_b"])
     carry = {**state, "inbox": inbox}
     if overlap:
       carry.update(out_f=out_f, out_b=out_b)

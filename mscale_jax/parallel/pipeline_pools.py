@@ -2,6 +2,7 @@
 leading slot axis, sized from the schedule table (`pipeline_plan.Plan`), so memory follows the
 schedule. A tick that files nothing writes a spare last slot (the switch's branches must all
 return the same record)."""
+import jax
 import jax.numpy as jnp
 
 from mscale_jax.parallel import pipeline_plan as plan_lib
@@ -60,7 +61,7 @@ class Pools:
 
   def write(self, pools: dict, record: dict, slots: dict) -> dict:
     """`pools` with `record` written into slot `slots[pool]` of each pool."""
-    return {pool: [a.at[slots[pool]].set(r) for a, r in zip(arrays, record[pool])]
+    return {pool: [put(a, r, slots[pool]) for a, r in zip(arrays, record[pool])]
             for pool, arrays in pools.items()}
 
 
@@ -99,4 +100,10 @@ class Kept:
     return [arrays[k][slot] for k in self.layout[op.first, op.last]]
 
   def write(self, arrays: list, record: list, slot) -> list:
-    return [a.at[slot].set(r) for a, r in zip(arrays, record)]
+    return [put(a, r, slot) for a, r in zip(arrays, record)]
+
+
+def put(array, record, slot):
+  """`array` with `record` in slot `slot` (in range): an in-place update-slice (`.at[].set`
+  would also read the slot, to keep it where the index is out of range)."""
+  return jax.lax.dynamic_update_index_in_dim(array, record.astype(array.dtype), slot, 0)
