@@ -249,15 +249,16 @@ def test_1f1b_temp_memory_grows_far_slower_with_microbatches_than_gpipe(recomput
 # ----------------------------------------------------------------------------- PP overlap
 
 
+def _computation(hlo: str, name: str) -> str:
+  """The body of computation `name` in an HLO module's text ('' if absent)."""
+  match = re.search(r"^%?" + re.escape(name) + r" .*?\{\n(.*?)\n\}", hlo, re.S | re.M)
+  return match.group(1) if match else ""
+
+
 def _while_bodies(hlo: str) -> list[str]:
   """The computations used as while-loop bodies in an HLO module's text."""
-  bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
-  out = []
-  for name in bodies:
-    match = re.search(r"^%?" + re.escape(name) + r" .*?\{\n(.*?)\n\}", hlo, re.S | re.M)
-    if match:
-      out.append(match.group(1))
-  return out
+  return [body for name in set(re.findall(r"body=%?([\w.\-]+)", hlo))
+          if (body := _computation(hlo, name))]
 
 
 def _graph(body: str):
@@ -289,21 +290,27 @@ def _reaches(graph, start: str, targets: set) -> bool:
 
 
 def _tick_structure(variant):
-  """For the loop body that holds the pipeline's collective-permutes: for each of them,
-  (depends on the tick's compute, tick's compute depends on it)."""
+  """For the loop body that holds the pipeline's sends: for each of them, (depends on the
+  tick's compute, tick's compute depends on it). A send is a conditional whose branch issues
+  a jax.lax.ppermute (a tick where no stage receives sends nothing); the tick's compute is
+  the switch, the conditional with a branch per op (idle, forward, backward, ...)."""
   compiled, _, _ = _compiled(variant)
   hlo = compiled.as_text()
+  permuting = {name for name in re.findall(r"branch_computations=\{([^}]*)\}", hlo)
+               for name in re.findall(r"%?([\w.\-]+)", name)
+               if any(op.startswith("collective-permute") and jax_op.endswith("/ppermute")
+                      for op, _, jax_op in _graph(_computation(hlo, name)).values())}
   for body in _while_bodies(hlo):
     graph = _graph(body)
-    # The pipeline's sends (jax.lax.ppermute; XLA may add resharding permutes of its own).
-    permutes = [n for n, (op, _, jax_op) in graph.items()
-                if op.startswith("collective-permute") and jax_op.endswith("/ppermute")]
-    # The tick's compute: the branching conditional (forward / backward / idle).
-    computes = {n for n, (op, _, _) in graph.items() if op == "conditional"}
+    branches = {n: re.findall(r"%?([\w.\-]+)", called) for n, called in
+                re.findall(r"%?([\w.\-]+) = .*? conditional\(.*?branch_computations=\{([^}]*)\}",
+                           body)}
+    permutes = [n for n, called in branches.items() if permuting & set(called)]
+    computes = {n for n, called in branches.items() if len(called) > 2}
     if permutes and computes:
       return [(any(_reaches(graph, p, {c}) for c in computes),
                any(_reaches(graph, c, {p}) for c in computes)) for p in permutes]
-  raise AssertionError("no loop body with both collective-permutes and the tick's compute")
+  raise AssertionError("no loop body with both the sends and the tick's compute")
 
 
 def test_overlapped_sends_are_independent_of_the_ticks_compute():

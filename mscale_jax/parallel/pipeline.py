@@ -23,13 +23,20 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
             those and the same stash (the model's first chunk: its whole backward).
 The loss head runs on the last chunk's ticks only and the embedding lookup on the first
 chunk's forward ticks only; the embedding's backward (a scatter-add into the table gradient)
-runs outside the switch, on every tick (zeros but on the first chunk's backward ticks):
-inside it, XLA:CPU partitions that scatter-add with collective-permutes over all devices,
-which deadlock when stages take different branches. Forward outputs travel a ring
-`ppermute` to stage s+1 (stage p-1 -> 0 is interleaving's wrap-around), input cotangents one
-to stage s-1. Messages wait in receive slots and stashes in stash slots, assigned from the
-table's lifetimes, so memory follows the schedule: 1F1B stashes ~p microbatches where GPipe
-stashes m * v. `loss` runs the forwards alone (evaluation).
+runs outside the switch, on every stage at the ticks where the first chunk's backward runs
+(zeros on the other stages): inside it, XLA:CPU partitions that scatter-add with collectives
+over all devices, which deadlock when stages take different branches. Forward outputs travel
+a ring `ppermute` to stage s+1 (stage p-1 -> 0 is interleaving's wrap-around), input
+cotangents one to stage s-1, at the ticks where some stage receives one. Messages wait in
+receive slots and stashes in stash slots, assigned from the table's lifetimes, so memory
+follows the schedule: 1F1B stashes ~p microbatches where GPipe stashes m * v. `loss` runs
+the forwards alone (evaluation).
+
+A tick's fixed cost is kept small (on CPU it is paid every tick): a branch reads the buffers
+read-only and returns only what its op made (outputs, a stash or kept record, one chunk's
+gradients; zeros of its own making where none), filed or added after the switch; a collective
+outside it (a send, the embedding's backward) runs only at the ticks that need it, under a
+condition the same on every stage (`Plan.every_stage`).
 
 PP overlap (MegaScale section 3.2): with `overlap=True` the executor runs the table with one
 tick of latency. Tick t's outputs are carried to tick t+1, which issues their ppermutes
@@ -168,12 +175,8 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     kept = pools_lib.Kept({(op.first, op.last): program.kept_shapes(op) for op in plan.ops
                            if op.kind == schedule_lib.BACKWARD}, plan.cotangent_slots)
 
-  def accumulate(state, c, d_cp, d_sp):
-    grad_chunks = jax.tree.map(lambda a, b: a.at[c].add(b), state["grad_chunks"], d_cp)
-    grad_shared = {**state["grad_shared"],
-                   **{k: jax.tree.map(jnp.add, state["grad_shared"][k], g)
-                      for k, g in d_sp.items()}}
-    return {**state, "grad_chunks": grad_chunks, "grad_shared": grad_shared}
+  def accumulate(state, c, d_cp, d_sp):   # added into the sums after the switch
+    return {**state, "d_chunk": d_cp, "d_shared": {**zero_shared, **d_sp}}
 
   def add_loss(state, value):
     return {**state, "loss": state["loss"] + value}
@@ -224,24 +227,36 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   def idle(op, state, t):
     return state, act, act
 
+  zero_shared = jax.tree.map(jnp.zeros_like, shared)
   kinds = {"idle": idle, schedule_lib.FORWARD: forward, schedule_lib.BACKWARD: backward,
            schedule_lib.WEIGHT: weight}
-  branches = [functools.partial(kinds[op.kind], op) for op in plan.ops]
+
+  def branch(op):   # zeros made in the branch: a blank passed in is copied through the switch
+    def run(state, t):
+      state, out_f, out_b = kinds[op.kind](op, state, t)
+      if "pools" in t and "stash_out" not in state:
+        state = {**state, "stash_out": pools.blank()}
+      if "cots" in t and "cot_out" not in state:
+        state = {**state, "cot_out": kept.blank()}
+      if recompute is not None and "d_chunk" not in state:
+        state = {**state, "d_chunk": jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype),
+                                                  chunks), "d_shared": zero_shared}
+      return state, out_f, out_b
+    return run
+  branches = [branch(op) for op in plan.ops]
   ring_f, ring_b = _ring(p, +1, wrap=v > 1), _ring(p, -1, wrap=v > 1)
 
-  # Buffers too large to pass through the switch (XLA may copy a conditional's results) are
-  # written after it: a branch returns what to file; ticks that file nothing write a spare
-  # last slot.
+  # Records are filed after the switch; ticks that file nothing write a spare last slot.
   files = {pool: jnp.asarray([op.kind == schedule_lib.FORWARD and (pool == plan_lib.MAIN or
                                                                   op.last) for op in plan.ops])
            for pool in (plan_lib.MAIN, plan_lib.LAST)}
   slot_field = {plan_lib.MAIN: "stash_slot", plan_lib.LAST: "last_slot"}
   files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD for op in plan.ops])
-  big = ("inbox", "out_f", "out_b", "pools", "cot")
-  embeds_back = jnp.asarray([op.first and op.kind == (
-      schedule_lib.WEIGHT if plan.split_backward else schedule_lib.BACKWARD) for op in plan.ops])
+  big = ("inbox", "out_f", "out_b", "pools", "cot", "grad_chunks", "grad_shared")
+  embeds_back = jnp.asarray([op.first and op.kind == table.release_kind for op in plan.ops])
 
-  def tick(carry, row):
+  def tick(carry, rows):
+    row, every = rows
     f = {k: a[stage] for k, a in row.items()}
     c, i = jnp.maximum(f["chunk"], 0), jnp.maximum(f["microbatch"], 0)
     slot = lambda name: jnp.maximum(f[name], 0)
@@ -253,21 +268,27 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
       # Read-only in the switch (a branch slices the slot it needs); written after it.
       t["pools"] = carry["pools"]
       t["stash_slots"] = {pool: slot(name) for pool, name in slot_field.items()}
-      state["stash_out"] = pools.blank()
     if "cot" in carry:
       t["cots"], t["cot_slot"] = carry["cot"], slot("cot_slot")
-      state["cot_out"] = kept.blank()
     state, out_f, out_b = jax.lax.switch(f["op"], branches, state, t)
+    if recompute is not None:
+      state["grad_chunks"] = jax.tree.map(lambda a, b: a.at[c].add(b), carry["grad_chunks"],
+                                          state.pop("d_chunk"))
+      state["grad_shared"] = jax.tree.map(jnp.add, carry["grad_shared"], state.pop("d_shared"))
     if recompute is not None and program.replicated:
-      # The embedding's backward, on every tick and stage (outside the switch: see
-      # `_Chunks`), fed the first chunk's input cotangent on its backward ticks, else zeros.
-      # (Kept per microbatch and run once after the ticks instead, its buffer would grow
-      # with m and undo 1F1B's bounded memory.)
-      _, embed_vjp = jax.vjp(lambda tables: program.embed(t["tokens"], tables),
-                             {k: shared[k] for k in program.replicated})
-      (d_tables,) = embed_vjp(jnp.where(embeds_back[f["op"]], out_b, 0).astype(out_b.dtype))
-      state["grad_shared"] = {**state["grad_shared"], **{
-          k: state["grad_shared"][k] + g for k, g in d_tables.items()}}
+      # The embedding's backward, outside the switch (see `_Chunks`), at ticks where a stage
+      # runs the first chunk's backward, on every stage: fed that chunk's input cotangent
+      # there, zeros elsewhere. (Kept per microbatch and run once after the ticks instead,
+      # its buffer would grow with m and undo 1F1B's bounded memory.)
+      def embed_backward(grads):
+        _, embed_vjp = jax.vjp(lambda tables: program.embed(t["tokens"], tables),
+                               {k: shared[k] for k in program.replicated})
+        cot = jnp.where(embeds_back[f["op"]], out_b, 0).astype(out_b.dtype)
+        (d_tables,) = embed_vjp(cot)
+        return {k: grads[k] + g for k, g in d_tables.items()}
+      tables = {k: state["grad_shared"][k] for k in program.replicated}
+      tables = jax.lax.cond(every["embed_back"], embed_backward, lambda g: g, tables)
+      state["grad_shared"] = {**state["grad_shared"], **tables}
     if "pools" in carry:
       write = {pool: jnp.where(files[pool][f["op"]], t["stash_slots"][pool],
                                plan.stash_slots[pool]) for pool in files}
@@ -280,9 +301,9 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     else:
       send_f, send_b = out_f, out_b
     inbox = carry["inbox"]
-    if ring_f:
-      inbox = inbox.at[f["recv_f"]].set(_permute(send_f, ring_f))
-      inbox = inbox.at[f["recv_b"]].set(_permute(send_b, ring_b))
+    if ring_f:   # a tick where no stage receives files zeros into every stage's spare slot
+      inbox = pools_lib.put(inbox, _permute(send_f, ring_f, every["send_f"]), f["recv_f"])
+      inbox = pools_lib.put(inbox, _permute(send_b, ring_b, every["send_b"]), f["recv_b"])
     carry = {**state, "inbox": inbox}
     if overlap:
       carry.update(out_f=out_f, out_b=out_b)
@@ -290,15 +311,14 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
 
   carry = {"inbox": _slots(plan.inbox_slots + 1, act), "loss": jnp.zeros((), jnp.float32)}
   if recompute is not None:
-    grad_shared = jax.tree.map(jnp.zeros_like, shared)
     carry.update(pools=pools.zeros(), grad_chunks=jax.tree.map(jnp.zeros_like, chunks),
-                 grad_shared=grad_shared)
+                 grad_shared=zero_shared)
   if plan.split_backward:
     carry.update(cot=kept.zeros())
   if overlap:
     carry.update(out_f=act, out_b=act)
   rows = {k: jnp.asarray(a) for k, a in plan.fields.items()}
-  carry, _ = jax.lax.scan(tick, carry, rows)
+  carry, _ = jax.lax.scan(tick, carry, (rows, jax.tree.map(jnp.asarray, plan.every_stage)))
   if recompute is None:
     return _sum_stages(carry["loss"], p)
   grad_blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry["grad_chunks"])
@@ -462,8 +482,10 @@ def _sum_stages(tree, stages: int):
   return tree if stages == 1 else jax.lax.psum(tree, AXIS)
 
 
-def _permute(x, pairs):
-  return x if pairs == [(0, 0)] else jax.lax.ppermute(x, AXIS, pairs)
+def _permute(x, pairs, active):
+  """`x` sent along `pairs` where `active` (the same on every stage), else zeros."""
+  send = (lambda x: x) if pairs == [(0, 0)] else (lambda x: jax.lax.ppermute(x, AXIS, pairs))
+  return jax.lax.cond(active, send, jnp.zeros_like, x)
 
 
 def _replicated(x):

@@ -49,6 +49,17 @@ class Plan:
   cotangent_slots: int
 
   @property
+  def every_stage(self) -> dict:
+    """Per tick, [ticks] bools the same on every stage (so that a collective run where one is
+    set runs on all stages or on none): whether some stage receives a message ('send_f',
+    'send_b') and whether some stage runs the model's first chunk's last backward op
+    ('embed_back': the embedding's backward follows it)."""
+    embeds = np.asarray([op.first and op.kind == self.table.release_kind for op in self.ops])
+    return {"send_f": (self.fields["recv_f"] < self.inbox_slots).any(1),
+            "send_b": (self.fields["recv_b"] < self.inbox_slots).any(1),
+            "embed_back": embeds[self.fields["op"]].any(1)}
+
+  @property
   def split_backward(self) -> bool:
     """Whether the table splits the backward into B and W (zero bubble)."""
     return any(op.kind == schedule_lib.WEIGHT for op in self.ops)

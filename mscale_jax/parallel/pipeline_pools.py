@@ -2,9 +2,9 @@
 leading slot axis, sized from the schedule table (`pipeline_plan.Plan`), so memory follows the
 schedule. A tick that files nothing writes a spare last slot (the switch's branches must all
 return the same record)."""
+import jax
 import jax.numpy as jnp
 
-from mscale_jax.mesh import RESIDUAL, constrain
 from mscale_jax.parallel import pipeline_plan as plan_lib
 from mscale_jax.parallel import schedule as schedule_lib
 
@@ -34,18 +34,14 @@ class Pools:
           keys.append(key)
         where.append((pool, keys.index(key)))
       self.layout[op.first, op.last] = where
-    self.act_shape = program.act.shape
 
   def zeros(self) -> dict:
     """The pools, each array [slots + 1, *shape]: the last slot takes writes of ticks that
     file nothing."""
-    out = {}
-    for pool, keys in self.arrays.items():
-      slots = self.plan.stash_slots[pool] + 1
-      out[pool] = [jnp.zeros((slots,) + shape, dtype) for shape, dtype, _ in keys]
-      out[pool] = [constrain(a, (None,) + RESIDUAL) if a.shape[1:] == self.act_shape
-                   else a for a in out[pool]]
-    return out
+    # No layout asked for: XLA lays each out as the records filed into it are (asked for the
+    # activations' layout, it resharded a record on every tick, with an all-to-all).
+    return {pool: [jnp.zeros((self.plan.stash_slots[pool] + 1,) + shape, dtype)
+                   for shape, dtype, _ in keys] for pool, keys in self.arrays.items()}
 
   def blank(self) -> dict:
     """A record of one slot of every array, zeros (what a tick that files nothing writes)."""
@@ -65,7 +61,7 @@ class Pools:
 
   def write(self, pools: dict, record: dict, slots: dict) -> dict:
     """`pools` with `record` written into slot `slots[pool]` of each pool."""
-    return {pool: [a.at[slots[pool]].set(r) for a, r in zip(arrays, record[pool])]
+    return {pool: [put(a, r, slots[pool]) for a, r in zip(arrays, record[pool])]
             for pool, arrays in pools.items()}
 
 
@@ -104,4 +100,10 @@ class Kept:
     return [arrays[k][slot] for k in self.layout[op.first, op.last]]
 
   def write(self, arrays: list, record: list, slot) -> list:
-    return [a.at[slot].set(r) for a, r in zip(arrays, record)]
+    return [put(a, r, slot) for a, r in zip(arrays, record)]
+
+
+def put(array, record, slot):
+  """`array` with `record` in slot `slot` (in range): an in-place update-slice (`.at[].set`
+  would also read the slot, to keep it where the index is out of range)."""
+  return jax.lax.dynamic_update_index_in_dim(array, record.astype(array.dtype), slot, 0)
