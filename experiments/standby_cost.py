@@ -83,6 +83,11 @@ def rate(ends: list[float], t0: float, t1: float) -> float:
   return sum(t0 <= t < t1 for t in ends) / (t1 - t0)
 
 
+def _read_json(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
 def trial(mode: str, folder: str) -> dict:
   """A (starting the importers of `mode`) and B side by side, each in a session of its own."""
   procs, outs = [], []
@@ -96,11 +101,11 @@ def trial(mode: str, folder: str) -> dict:
   for p in procs:
     if p.wait() != 0:
       raise RuntimeError(f"a busy process failed (exit {p.returncode})")
-  a, b = (json.load(open(o)) for o in outs)
+  a, b = (_read_json(o) for o in outs)
   t = a["spawned"]
   window = (t, t + FLAGS.window_s)
   before = (t - FLAGS.settle_s + 2, t)   # the first 2 s left out (both still starting)
-  ratio = lambda w: rate(a["ends"], *w) / rate(b["ends"], *w)
+  ratio = lambda w: rate(a["ends"], *w) / max(rate(b["ends"], *w), 1e-9)
   return {"mode": mode, "a_per_s": rate(a["ends"], *window), "b_per_s": rate(b["ends"], *window),
           "a_over_b": ratio(window), "a_over_b_before": ratio(before),
           "importers_cpu_s": a["importers_cpu_s"], "importers_done_s": a["importers_done_s"]}
@@ -115,7 +120,7 @@ def main(argv):
   rows = []
   with tempfile.TemporaryDirectory() as folder:
     for i in range(FLAGS.trials):
-      for mode in MODES[i % 3:] + MODES[:i % 3]:
+      for mode in MODES[i % len(MODES):] + MODES[:i % len(MODES)]:
         rows.append(trial(mode, folder))
         print(json.dumps(rows[-1]), flush=True)
   summary = {}

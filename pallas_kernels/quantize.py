@@ -103,7 +103,7 @@ def block_groups(groups: int, g: int) -> int:
   return max(1, min(groups, _BLOCK_GROUPS, _BLOCK_VALUES // g))
 
 
-def _call(kernel, rows, hadamard, out_shape, groups, g, interpret):
+def _call(kernel, rows, out_shape, *, groups, g, hadamard: bool, interpret):
   """pallas_call over blocks of groups: `rows` arrays cut by group, then, with `hadamard`,
   the g x g matrix whole (only then: an unused 2048 x 2048 block is still a 16 MiB operand)."""
   block = block_groups(groups, g)
@@ -126,10 +126,10 @@ def quantize(x, *, bits: int = 4, hadamard: bool = False, interpret=None):
   backend, interp = resolve_interpret("quantize", interpret, platform_of(x))
   groups, g = x.shape
   codes, scales = _call(
-      functools.partial(_quantize_kernel, bits=bits, hadamard=hadamard), (x,), hadamard,
+      functools.partial(_quantize_kernel, bits=bits, hadamard=hadamard), (x,),
       [jax.ShapeDtypeStruct((groups, g), jnp.uint8),
-       jax.ShapeDtypeStruct((groups, 1), jnp.float32)], groups, g,
-      interp if backend == "interpret" else False)
+       jax.ShapeDtypeStruct((groups, 1), jnp.float32)], groups=groups, g=g,
+      hadamard=hadamard, interpret=interp if backend == "interpret" else False)
   return codes, scales[:, 0]
 
 
@@ -139,6 +139,7 @@ def dequantize(codes, scales, *, bits: int = 4, hadamard: bool = False, interpre
   backend, interp = resolve_interpret("dequantize", interpret, platform_of(codes))
   groups, g = codes.shape
   (y,) = _call(functools.partial(_dequantize_kernel, bits=bits, hadamard=hadamard),
-               (codes, scales[:, None]), hadamard, [jax.ShapeDtypeStruct((groups, g), jnp.float32)],
-               groups, g, interp if backend == "interpret" else False)
+               (codes, scales[:, None]), [jax.ShapeDtypeStruct((groups, g), jnp.float32)],
+               groups=groups, g=g, hadamard=hadamard,
+               interpret=interp if backend == "interpret" else False)
   return y
