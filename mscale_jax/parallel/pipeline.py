@@ -9,8 +9,8 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
   F         its chunk of layers on a microbatch; the model's first chunk embeds the tokens
             first, its last ends in the loss head. With recompute='none' or 'selective'
             it runs under `jax.vjp` and stashes the vjp's activation residuals (a pytree
-            of arrays: each layer's input and matmul and collective outputs, but attention's
-            matmuls' with 'selective', as each layer is checkpointed with a policy,
+            of arrays: each layer's input and matmul outputs, but attention's matmuls'
+            with 'selective', as each layer is checkpointed with a policy,
             `pipeline_chunks.STASH_POLICIES`; weights are read in place, never stashed);
             with 'full' it stashes the chunk input only (and the last chunk defers
             everything to its B);
@@ -110,9 +110,9 @@ def value_and_grad(params, graphdef, batch, *, schedule: str, stages: int, virtu
     batch: {'inputs', 'targets'}: int32 [batch, seq], batch over (data, fsdp). Microbatch i
       is rows i, i + m, i + 2m, ...: each data shard splits its own rows.
     recompute: 'full' stashes chunk inputs and runs each forward again in its backward;
-      'none' stashes the backward's residuals (activations: every matmul and collective
-      output), so no matmul runs twice; 'selective' stashes them but attention's core, which
-      the backward recomputes (`pipeline_chunks.STASH_POLICIES`).
+      'none' stashes the backward's residuals (activations: each layer's input and every
+      matmul output), so no matmul runs twice; 'selective' stashes them but attention's
+      core, which the backward recomputes (`pipeline_chunks.STASH_POLICIES`).
   Returns:
     (loss, grads), grads laid out like params. Call under `jax.set_mesh(mesh)` inside jit.
   """
@@ -267,9 +267,9 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
                                           state.pop("d_chunk"))
       state["grad_shared"] = jax.tree.map(jnp.add, carry["grad_shared"], state.pop("d_shared"))
     if recompute is not None and program.replicated:
-      # The embedding's backward, outside the switch (see `pipeline_chunks.Chunks`), at ticks where a stage
-      # runs the first chunk's backward, on every stage: fed that chunk's input cotangent
-      # there, zeros elsewhere. (Kept per microbatch and run once after the ticks instead,
+      # The embedding's backward, outside the switch (see `pipeline_chunks.Chunks`), at
+      # ticks where a stage runs the first chunk's backward, on every stage: fed that chunk's
+      # input cotangent there, zeros elsewhere. (Kept per microbatch and run once after the ticks instead,
       # its buffer would grow with m and undo 1F1B's bounded memory.)
       def embed_backward(grads):
         _, embed_vjp = jax.vjp(lambda tables: program.embed(t["tokens"], tables),

@@ -12,31 +12,17 @@ from mscale_jax.parallel import backward_split
 BLOCKS = "blocks"
 EMBEDDINGS = ("embed", "pos_embed")   # the shared parameters the first chunk reads
 
-# Outputs a stashing backward keeps besides its policy's matmul outputs: what the collectives
-# return, and reductions (XLA partitions one over a sharded axis with an all-reduce, as the
-# loss head's softmax over tensor-sharded logits). The backward then runs no collective of the
-# forward again, only elementwise work; reductions' outputs are small.
-_COMMUNICATION = {"all_gather", "all_gather_invariant", "reduce_scatter", "psum_scatter", "psum",
-                  "psum_invariant", "pmax", "pmin", "ppermute", "all_to_all", "reduce_max",
-                  "reduce_min", "reduce_sum", "argmax", "argmin"}
-
-
-def _and_communication(matmuls):
-  def policy(prim, *args, **params):
-    return prim.name in _COMMUNICATION or matmuls(prim, *args, **params)
-  return policy
-
-
-# What a stashing backward keeps of each layer's forward (and of the loss head's): the rest
-# it recomputes, layer by layer inside the backward's layer scan. Never a weight (see
-# `Chunks._parameter_residuals`), and never a collective's output run again (`_COMMUNICATION`).
-# 'none': every matmul output, so no matmul runs twice. 'selective': the matmul outputs but
-# attention's batched ones (QK^T and PV), whose core (scores, softmax, PV) the backward
-# recomputes: Megatron's selective activation recomputation (Korthikanti et al., 2022), a few
-# percent more FLOPs for the stash's largest part at long sequences.
-STASH_POLICIES = {
-    "none": _and_communication(jax.checkpoint_policies.dots_saveable),
-    "selective": _and_communication(jax.checkpoint_policies.dots_with_no_batch_dims_saveable)}
+# What a stashing backward keeps of each layer's forward (and of the loss head's), besides the
+# layer's input: the rest it recomputes, layer by layer inside the backward's layer scan. Never
+# a weight (see `Chunks._parameter_residuals`). 'none': every matmul output, so no matmul runs
+# twice; the backward gathers each layer's (normalized) input again over 'tensor' rather than
+# stashing it gathered (4x the sequence shard at tensor=4; measured faster on CPU).
+# 'selective': the matmul outputs but attention's batched ones (QK^T and PV), whose core
+# (scores, softmax, PV) the backward recomputes: Megatron's selective activation recomputation
+# (Korthikanti et al., 2022), a few percent more FLOPs for the stash's largest part at long
+# sequences.
+STASH_POLICIES = {"none": jax.checkpoint_policies.dots_saveable,
+                  "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 class Chunks:
