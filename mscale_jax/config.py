@@ -123,8 +123,8 @@ class PipelineConfig:
   and its matmul outputs, never its weights) from its forward to its backward,
   so no matmul runs twice (~15% fewer FLOPs per step than 'full', more memory); 'selective'
   stashes them but attention's and redoes attention's core (Megatron's selective
-  recomputation). On CPU 1F1B 'none' now runs level with 'full' (0.99x of its tokens/s in the
-  same rounds, results/pipeline_throughput-cpu-20261126T184425.json), so 'full' stays the
+  recomputation). On CPU 1F1B 'none' now runs close to 'full' (0.94x of its tokens/s in the
+  same rounds, results/pipeline_throughput-cpu-20261126T185302.json), so 'full' stays the
   default (and needs the least memory). Measure 'none' where compute dominates. 'zb_h1'
   splits the backward into the input gradient (B) and the weight gradient (W), which fills
   the bubbles.
