@@ -14,7 +14,7 @@ tensor=2) on the same batch:
   flops        per device per step. XLA's cost analysis counts a while-loop body once and a
                conditional as its costliest branch, so the pipelined step's FLOPs are summed
                from the table instead: for every action a stage runs, XLA's cost of that
-               action compiled alone (the executor's own code for it: `pipeline._Chunks`);
+               action compiled alone (the executor's own code for it: `pipeline_chunks.Chunks`);
                the unpipelined step is costed whole with its layers unrolled. The check is
                two-sided: the overhead over stage=1 must be what the recompute choice
                accounts for (none: 0; selective: attention's QK^T and PV again,
@@ -126,7 +126,7 @@ def op_flops(op, recompute, split, microbatches):
   whole instead of its tensor half."""
   import jax
   import jax.numpy as jnp
-  from mscale_jax.parallel import pipeline
+  from mscale_jax.parallel import pipeline, pipeline_chunks
   mesh, graphdef, params, _, batch = _setup(1, MICRO)
   layer = jax.tree.map(lambda a: a[:1], params[pipeline.BLOCKS])
   shared = {k: a for k, a in params.items() if k != pipeline.BLOCKS}
@@ -135,8 +135,8 @@ def op_flops(op, recompute, split, microbatches):
   g = jnp.ones((), jnp.float32) if op.last else x
 
   def chunks(shared):
-    return pipeline._Chunks(graphdef, shared, microbatches, recompute,
-                            example=(layer, tokens, targets))
+    return pipeline_chunks.Chunks(graphdef, shared, microbatches, recompute,
+                                   example=(layer, tokens, targets))
 
   def action(shared, cp, x, tokens, tgt, leaves, kept, op):
     if op.kind == "F":

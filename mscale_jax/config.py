@@ -119,13 +119,12 @@ class PipelineConfig:
   layers). `overlap` sends a tick's outputs while the next tick computes (MegaScale's PP
   overlap: a tick of latency per hop, which the schedule module's tables absorb).
   `recompute`: 'full' (default) stashes only chunk inputs and runs each chunk's forward
-  again in its backward; 'none' stashes each chunk's backward residuals (its matmul outputs,
-  never its weights) from its forward to its backward, so no matmul runs twice (~15% fewer
-  FLOPs per step than 'full', more memory); 'selective' stashes them but attention's and redoes
-  attention's core (Megatron's selective recomputation). 'none' used to be slower on CPU
-  (0.60x against 'full''s 0.82x of the unpipelined tokens/s: copying the weights into the
-  stash every forward); now 1F1B 'none' runs at 0.82x and 'selective' at 0.90x of 'full''s
-  tokens/s there (results/pipeline_throughput-cpu-20261126T101016.json), so 'full' stays the
+  again in its backward; 'none' stashes each chunk's backward residuals (per layer its input
+  and its matmul outputs, never its weights) from its forward to its backward,
+  so no matmul runs twice (~15% fewer FLOPs per step than 'full', more memory); 'selective'
+  stashes them but attention's and redoes attention's core (Megatron's selective
+  recomputation). On CPU 1F1B 'none' now runs close to 'full' (0.94x of its tokens/s in the
+  same rounds, results/pipeline_throughput-cpu-20261126T185302.json), so 'full' stays the
   default (and needs the least memory). Measure 'none' where compute dominates. 'zb_h1'
   splits the backward into the input gradient (B) and the weight gradient (W), which fills
   the bubbles.

@@ -302,16 +302,20 @@ class GPT(nnx.Module):
         block.attn.init_cache(batch, capacity)
     self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
-  def run_blocks(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+  def run_blocks(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 remat_policy=None) -> jax.Array:
     """Applies the stacked blocks in order (all of them, or the chunk the model was merged
-    with): [batch, seq, hidden] -> same; `segment_ids` as in `__call__`."""
+    with): [batch, seq, hidden] -> same; `segment_ids` as in `__call__`. `remat_policy` (a
+    `jax.checkpoint` policy) checkpoints each block with it instead of `config.remat`'s."""
     c = self.config
 
     def apply(block: Block, x: jax.Array) -> jax.Array:
       return constrain(block(x, segment_ids), RESIDUAL)
 
-    if c.remat != "none":
-      apply = nnx.remat(apply, policy=REMAT_POLICIES[c.remat])
+    if remat_policy is None and c.remat != "none":
+      remat_policy = REMAT_POLICIES[c.remat]
+    if remat_policy is not None:
+      apply = nnx.remat(apply, policy=remat_policy)
     if not c.scan_layers:
       for block in self.blocks:
         x = apply(block, x)

@@ -21,6 +21,7 @@ from mscale_jax.config import Config, ModelConfig, validate
 from mscale_jax.errors import ConfigError
 from mscale_jax.model import GPT
 from mscale_jax.parallel import pipeline
+from mscale_jax.parallel import pipeline_chunks
 from mscale_jax.parallel import pipeline_plan as plan_lib
 from mscale_jax.parallel import pipeline_pools as pools_lib
 from mscale_jax.model import abstract_model
@@ -194,7 +195,8 @@ def test_no_weight_is_stashed(schedule, recompute):
   found = {}
 
   def trace(shared, cp):   # traced: the executor builds these inside jit
-    program = pipeline._Chunks(graphdef, shared, 4, recompute, example=(cp, inputs, inputs))
+    program = pipeline_chunks.Chunks(graphdef, shared, 4, recompute,
+                                     example=(cp, inputs, inputs))
     found["pools"] = pools_lib.Pools(program, plan).arrays
     if plan.split_backward:   # what B keeps for W: activations and cotangents, no weight
       found["kept"] = {"kept": pools_lib.Kept({(op.first, op.last): program.kept_shapes(op)
