@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,11 +86,22 @@ def sbatch(slurm, workdir, *launch_flags, timeout_s=420, heartbeat_port=None):
   with open(os.path.join(workdir, f"slurm-{job_id}.log")) as f:
     log = f.read()
   assert proc.returncode is not None and proc.returncode >= 0, f"timed out\n{log[-3000:]}"
-  left = subprocess.run(["squeue", "-h", "-s", "-j", job_id], env=slurm, capture_output=True,
-                        text=True).stdout.strip()
-  assert not left, f"steps left behind: {left}"
+  assert not _steps_left(slurm, job_id), f"steps left behind: {_steps_left(slurm, job_id)}"
   assert not _workers_of(workdir), "worker processes left behind"
   return proc.returncode, log
+
+
+def _steps_left(slurm, job_id: str, wait_s: float = 15) -> str:
+  """The job's steps squeue still lists, after giving slurmctld `wait_s` to retire them: `sbatch
+  --wait` can return while the batch step of a job that just ended is still listed (seen once,
+  for a job that ended within a second)."""
+  deadline = time.monotonic() + wait_s
+  while True:
+    left = subprocess.run(["squeue", "-h", "-s", "-j", job_id], env=slurm, capture_output=True,
+                          text=True).stdout.strip()
+    if not left or time.monotonic() > deadline:
+      return left
+    time.sleep(0.5)
 
 
 def _workers_of(workdir) -> list[int]:
