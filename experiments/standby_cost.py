@@ -13,7 +13,10 @@ loop on XLA:CPU that keeps every thread of its pool busy, as a worker's steps do
 `normal` at normal priority (the standby before this change), `low` through `standby.preload`
 (a thread at nice 19), or `none`. The record holds, per mode (trials interleaved), A's and B's
 iterations per second from that moment for `--window_s` and their ratio (and the same ratio
-before it), the importers' CPU seconds, and how long after their start their imports ended.
+before it), the ratio over the window and `--tail_s` together (`a_over_b_whole`, long enough
+for imports at nice 19, which outlast the window) and that ratio over the one before
+(`a_over_b_whole_vs_before`, A's loss with the two sides' own difference taken out), the
+importers' CPU seconds, and how long after their start their imports ended.
 """
 import json
 import os
@@ -104,10 +107,12 @@ def trial(mode: str, folder: str) -> dict:
   a, b = (_read_json(o) for o in outs)
   t = a["spawned"]
   window = (t, t + FLAGS.window_s)
+  whole = (t, t + FLAGS.window_s + FLAGS.tail_s)
   before = (t - FLAGS.settle_s + 2, t)   # the first 2 s left out (both still starting)
   ratio = lambda w: rate(a["ends"], *w) / max(rate(b["ends"], *w), 1e-9)
   return {"mode": mode, "a_per_s": rate(a["ends"], *window), "b_per_s": rate(b["ends"], *window),
           "a_over_b": ratio(window), "a_over_b_before": ratio(before),
+          "a_over_b_whole": ratio(whole), "a_over_b_whole_vs_before": ratio(whole) / ratio(before),
           "importers_cpu_s": a["importers_cpu_s"], "importers_done_s": a["importers_done_s"]}
 
 
@@ -128,7 +133,8 @@ def main(argv):
     mine = [r for r in rows if r["mode"] == mode]
     summary[mode] = {k: statistics.median(r[k] for r in mine if r[k] is not None)
                      if any(r[k] is not None for r in mine) else None
-                     for k in ("a_over_b", "a_over_b_before", "importers_cpu_s",
+                     for k in ("a_over_b", "a_over_b_before", "a_over_b_whole",
+                               "a_over_b_whole_vs_before", "importers_cpu_s",
                                "importers_done_s")}
   print(json.dumps(summary, indent=1))
   print(results.write_record("standby_cost", {"by_mode": summary, "trials": rows,
