@@ -18,12 +18,13 @@ The imports run at the lowest CPU priority (nice 19, on a thread of their own). 
 started while its group trains, and under Linux's autogroup scheduling the CPU a job's session
 gets is shared among that session's processes: at normal priority the two standbys' ~2 CPU
 seconds each came out of the training workers' share, and the fault drill's steps after every
-restart ran slower until they were done. At nice 19 they use what the workers leave. The
-worker itself keeps normal priority: orders that come before the imports are done stop the
-low-priority thread after its current module and the rest is imported on the main thread (a
-restart soon after a restart waits for no nice-19 work), the thread has ended before orders are
-run, and NumPy (whose BLAS starts its threads at import, and they would inherit the thread's
-priority) is imported first on the main thread.
+restart ran slower until they were done. At nice 19 they yield to the workers, so a restart's
+first seconds keep their CPU; the imports' CPU still comes out of the session, later
+(experiments/standby_cost.py). The worker itself keeps normal priority: orders that come before
+the imports are done stop the low-priority thread after its current module and the rest is
+imported on the main thread (a restart soon after a restart waits for no nice-19 work), the
+thread has ended before orders are run, and NumPy (whose BLAS starts its threads at import, and
+they would inherit the thread's priority) is imported first on the main thread.
 """
 import importlib
 import json
