@@ -48,7 +48,34 @@ def test_an_abort_over_a_stopped_peer_blames_the_peer_even_before_its_line_is_re
     peer.kill()
     peer.wait()
   failure = blame.killed_by_signal([aborted(logs[0], "Check failed: x\n"), None], logs)
-  assert (failure.kind, failure.rank) == (events.EXITED, 0) and failure.detail.endswith(" 6")
+  assert (failure.kind, failure.rank) == (events.EXITED, 0), failure
+  assert failure.detail == "killed by signal 6 after: Check failed: x"
+
+
+def test_an_abort_after_a_reported_failure_leaves_the_report_to_decide(tmp_path):
+  """Rank 0 reports a replica divergence at fault on rank 1, raises, and aborts on its way out
+  (its peer is still mid-collective); the driver's poll sees the report and the abort at once.
+  The report decides (rank 1's divergence), not 'rank 0 killed by signal 6'; a rank that
+  reported nothing and aborted is still blamed for its abort, and a kill by another signal
+  outranks any report."""
+  logs = [str(tmp_path / f"rank{r}.log") for r in range(2)]
+  for path in logs:
+    open(path, "w").close()
+  code = "import os; os.abort()"
+  status = subprocess.run([sys.executable, "-c", code], stderr=subprocess.DEVNULL).returncode
+  assert status == -signal.SIGABRT
+  beat = events.Heartbeat(rank=0, host="h", pid=1, failure=events.Failure(
+      events.REPLICA_DIVERGENCE, 1, "replicas disagree at step 8", step=8).to_json())
+  beats = {0: (beat, 0.0), 1: (events.Heartbeat(rank=1, host="h", pid=2), 0.0)}
+  reporting = blame.reporting_ranks(beats)
+  assert reporting == {0}
+  assert blame.killed_by_signal([status, None], logs, reporting) is None
+  failure = blame.reported(beats, 2)
+  assert (failure.kind, failure.rank, failure.step) == (events.REPLICA_DIVERGENCE, 1, 8)
+  aborted = blame.killed_by_signal([None, status], logs, reporting)
+  assert (aborted.kind, aborted.rank) == (events.EXITED, 1), aborted
+  killed = blame.killed_by_signal([-signal.SIGKILL, None], logs, reporting)
+  assert (killed.kind, killed.rank) == (events.EXITED, 0), killed
 
 
 def test_a_coordination_line_is_held_until_the_lines_naming_the_peer_can_arrive(tmp_path):

@@ -104,6 +104,43 @@ def test_heartbeats_reach_the_server_and_carry_the_failure():
     server.close()
 
 
+def test_a_failure_report_is_sent_again_when_the_driver_did_not_answer(monkeypatch):
+  """A loaded driver may not answer a post in time; a periodic beat is then simply lost, but the
+  failure report (the worker exits next) is sent again until it arrives."""
+  import http.server
+  import threading
+  from mscale_jax.resilience.worker import heartbeat
+  monkeypatch.setattr(heartbeat, "FAILURE_TIMEOUT_S", 0.5)
+  bodies = []
+
+  class DropFirst(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+      body = self.rfile.read(int(self.headers["Content-Length"]))
+      bodies.append(json.loads(body))
+      if len(bodies) <= 2:   # hang up without an answer, as a starved server times out
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
+        return
+      self.send_response(204)
+      self.end_headers()
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DropFirst)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    url = f"http://127.0.0.1:{server.server_address[1]}/heartbeat"
+    client = HeartbeatClient(rank=0, heartbeat_url=url, interval_s=60)
+    assert not client.post()   # dropped: a plain beat is not sent again
+    client.failure(events.EXCEPTION, "RuntimeError: boom", step=3)   # dropped, then answered
+    assert [b["failure"] and b["failure"]["detail"] for b in bodies] == \
+        [None, "RuntimeError: boom", "RuntimeError: boom"]
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
 # -- the trainer's non-finite policies (in-process, fault-injected NaN) ---------------------------
 
 def _metrics(workdir):

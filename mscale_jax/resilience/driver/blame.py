@@ -48,25 +48,39 @@ def log_tail(path: str, size: int = 16384) -> str:
     return ""
 
 
-def killed_by_signal(codes: list, logs: list[str]) -> events.Failure | None:
+def killed_by_signal(codes: list, logs: list[str],
+                     reported: frozenset = frozenset()) -> events.Failure | None:
   """The failure of the first worker killed by a signal (`codes`: the workers' exit statuses,
   None while running; `logs`: their log files), or None if none was.
 
   A worker that aborted (SIGABRT) on a coordination-service error lost a peer (one stopped,
   killed or silent): the peer the error names is at fault, as when that line is read before the
   exit (FatalLogs). The abort can reach the driver first, so its finished log is read here;
-  and a worker killed by another signal is blamed before one that aborted.
+  and a worker killed by another signal is blamed before one that aborted. An abort of a rank
+  in `reported` (it reported a failure of its own, then died on the way out: its peers left
+  mid-collective) is not a failure of its own: what it reported decides (`reported()`).
+  An abort with no such explanation carries its log's first fatal line, if any.
   """
-  killed = [r for r, code in enumerate(codes) if code is not None and code < 0]
+  killed = [r for r, code in enumerate(codes) if code is not None and code < 0
+            and not (code == -signal.SIGABRT and r in reported)]
   for rank in sorted(killed, key=lambda r: codes[r] == -signal.SIGABRT):
+    detail = f"killed by signal {-codes[rank]}"
     if codes[rank] == -signal.SIGABRT:
       tail = log_tail(logs[rank])   # the worker has exited: its log is complete
       line = next((l.strip()[:300] for l in tail.splitlines()
                    if events.from_coordination_service(l) and events.fatal_pattern(l)), None)
       if line and (peer := blamed_task(tail, rank, len(codes))) != rank:
         return events.Failure(events.FATAL_LOG, peer, f"{line} (rank {rank} aborted on it)")
-    return events.Failure(events.EXITED, rank, f"killed by signal {-codes[rank]}")
+      first = next((l.strip()[:300] for l in tail.splitlines() if events.fatal_pattern(l)), None)
+      if first:
+        detail += f" after: {first}"
+    return events.Failure(events.EXITED, rank, detail)
   return None
+
+
+def reporting_ranks(beats: dict) -> frozenset:
+  """The ranks whose latest heartbeat reports a failure (`beats`: {rank: (heartbeat, arrival)})."""
+  return frozenset(rank for rank, (beat, _) in beats.items() if beat.failure)
 
 
 def reported(beats: dict, count: int) -> events.Failure | None:

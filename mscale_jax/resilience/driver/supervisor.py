@@ -365,7 +365,8 @@ class Driver:
     self.injector.poll(group.procs, group_step(beats, len(group.slots)))
     # Strongest evidence first (blame.py): a killed worker (its peers' errors follow from it),
     # what workers said about themselves, other exits, fatal log lines; then stragglers, hangs.
-    return (blame.killed_by_signal(codes, group.logs) or blame.reported(beats, len(group.slots))
+    return (blame.killed_by_signal(codes, group.logs, blame.reporting_ranks(beats))
+            or blame.reported(beats, len(group.slots))
             or blame.exited(codes) or group.fatal_logs.poll(codes, now)
             or self.observer.observe(now) or self._check_progress(group, beats, codes, now))
 

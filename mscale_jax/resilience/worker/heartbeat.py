@@ -24,6 +24,10 @@ from mscale_jax.resilience.worker import monitor
 
 log = logging.getLogger("mscale_jax")
 
+# A failure report is sent up to FAILURE_TRIES times, each waiting up to FAILURE_TIMEOUT_S for
+# the driver (whose server thread may be starved on a loaded host) before the worker exits.
+FAILURE_TRIES, FAILURE_TIMEOUT_S = 3, 5.0
+
 
 class _Tail(logging.Handler):
   """The last few log lines of this process, for the heartbeat."""
@@ -176,12 +180,16 @@ class HeartbeatClient:
     with self._lock:
       self.beat.failure = events.Failure(kind, rank, detail[:4000], step=step).to_json()
       self.beat.phase = events.FAILED
-    self.post()
+    # The one message the driver must not miss: on a loaded host a 2-s post can time out.
+    for _ in range(FAILURE_TRIES):
+      if self.post(timeout_s=FAILURE_TIMEOUT_S):
+        return
 
-  def post(self) -> None:
-    """Sends the current heartbeat now (best effort: a driver that is gone is not an error)."""
+  def post(self, timeout_s: float = 2.0) -> bool:
+    """Sends the current heartbeat now; False if it did not arrive (best effort: a driver that
+    is gone is not an error)."""
     if not self.url:
-      return
+      return True
     host = self._probe() if self._probe is not None else None
     with self._lock:
       self.beat.time = time.time()
@@ -201,15 +209,17 @@ class HeartbeatClient:
     request = urllib.request.Request(self.url, data=body, method="POST", headers=headers)
     try:
       start = time.perf_counter()
-      urllib.request.urlopen(request, timeout=2).close()
+      urllib.request.urlopen(request, timeout=timeout_s).close()
       if self._sampler is not None:
         self._sampler.record_rtt(time.perf_counter() - start)
+      return True
     except urllib.error.HTTPError as e:   # the driver refused it: say so once, keep going
       if not self._refused:
         self._refused = True
         log.warning("the driver refused a heartbeat: %s %s", e.code, e.reason)
+      return True   # it arrived; sending it again would be refused again
     except OSError:
-      pass
+      return False
 
   def _progress(self) -> tuple:
     with self._lock:
