@@ -104,7 +104,8 @@ def _program(mesh, layouts: tuple):
                   out_shardings=NamedSharding(mesh, P()))
   args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
           for shape, dtype, sharding in layouts]
-  executable, _ = compile_cache.compile_or_load(table.lower(*args), "replica_check", mesh)
+  executable, _ = compile_cache.load_or_lower(table.lower, args, "replica_check", mesh,
+                                              built_from="")
   return executable
 
 

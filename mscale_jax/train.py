@@ -47,6 +47,12 @@ class Peak:
   source: str
 
 
+def program_recipe(config: Config) -> str:
+  """What the train and eval steps are built from besides the source and their inputs (the
+  compile cache's pre-key): the resolved config, every field."""
+  return json.dumps(config.to_dict(), sort_keys=True, default=repr)
+
+
 def peak_flops(config: Config, devices) -> Peak:
   """Data-sheet dense bf16 peak of the accelerators, or this host's measured matmul rate on CPU.
 
@@ -148,6 +154,7 @@ class Trainer:
     self._eval_loss = jax.jit(step_lib.make_loss(self.graphdef, config.pipeline,
                                                  self.layer_layout))
     self._eval_executable = None
+    self.program_recipe = program_recipe(config)
     self.nonfinite_policy = nonfinite.policy(t.on_nonfinite)
 
   def standard_callbacks(self) -> list:
@@ -242,8 +249,9 @@ class Trainer:
     with jax.set_mesh(self.mesh):
       batches = [self.device_batch(b) for b in self.eval_batches]
       if self._eval_executable is None:
-        self._eval_executable, _ = compile_cache.compile_or_load(
-            self._eval_loss.lower(params, batches[0]), "eval_loss", self.mesh)
+        self._eval_executable, _ = compile_cache.load_or_lower(
+            self._eval_loss.lower, (params, batches[0]), "eval_loss", self.mesh,
+            self.program_recipe)
       losses = [self._eval_executable(params, b) for b in batches]
     return float(np.mean([float(x) for x in losses]))
 
@@ -312,10 +320,11 @@ class Trainer:
     run.phase("compile")
     compile_start = time.perf_counter()
     run.batch = self.device_batch(next(self.train_iter))   # the first step's batch
-    program, loaded = compile_cache.compile_or_load(
-        self.lower_step(run.state, run.batch), "train_step", self.mesh)
+    # Keyed before tracing: a restarted process loads its executable without lowering.
+    program, served = compile_cache.load_or_lower(
+        self.lower_step, (run.state, run.batch), "train_step", self.mesh, self.program_recipe)
     run.compile_s = time.perf_counter() - compile_start
-    log.info("%s the train step in %.1f s", "loaded" if loaded else "compiled", run.compile_s)
+    log.info("%s the train step in %.1f s", served, run.compile_s)
     run.data_pos = self.train_iter.get_state()["step"]   # global batches taken so far
     run.callbacks.on_loop_start(run)
     run.restart_interval()

@@ -102,3 +102,136 @@ def test_a_program_that_calls_back_into_python_is_compiled_not_cached(cache_dir)
   executable, loaded = compile_cache.compile_or_load(f.lower(x), "callback", mesh)
   assert not loaded and not (cache_dir / "per-process").exists()
   np.testing.assert_allclose(np.asarray(executable(x)), np.asarray(x) * 2 + 1, rtol=1e-6)
+
+
+# -- the pre-key: found before tracing ---------------------------------------------------------
+
+class _Program:
+  """A program built from `scale`, whose tracing and lowering are counted."""
+
+  def __init__(self, scale: float):
+    self.traced = self.lowered = 0
+
+    def f(a, b):
+      self.traced += 1          # a trace-time side effect: runs only when JAX traces `f`
+      return jnp.tanh(a * b * scale).sum(axis=1) + jnp.cos(a).mean()
+
+    self.jitted = jax.jit(f)    # a new function each time: JAX's in-memory caches miss too
+
+  def lower(self, *args):
+    self.lowered += 1
+    return self.jitted.lower(*args)
+
+
+def _random(shape=(16, 8), mesh=None, spec=P("data", "tensor"), seed=0, dtype=jnp.float32):
+  mesh = mesh or _mesh()
+  x = jax.random.normal(jax.random.key(seed), shape, dtype)
+  return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _pre_keyed(cache_dir):
+  return sorted(f for f in os.listdir(cache_dir / "per-process") if f.endswith(".pre"))
+
+
+def test_a_pre_key_hit_loads_without_tracing_or_lowering_and_computes_the_same_bits(cache_dir):
+  a, b = _random(seed=1), _random(seed=2)
+  first = _Program(3.0)
+  fresh, served = compile_cache.load_or_lower(first.lower, (a, b), "f", _mesh(), "scale=3")
+  assert served == "compiled" and (first.traced, first.lowered) == (1, 1)
+  assert len(_pre_keyed(cache_dir)) == 1
+  restarted = _Program(3.0)      # what a restarted process builds
+  loaded, served = compile_cache.load_or_lower(restarted.lower, (a, b), "f", _mesh(), "scale=3")
+  assert served == "loaded before lowering"
+  assert (restarted.traced, restarted.lowered) == (0, 0)
+  c, d = _random(seed=3), _random(seed=4)    # new random data through both executables
+  np.testing.assert_array_equal(np.asarray(loaded(c, d)), np.asarray(fresh(c, d)))
+  np.testing.assert_array_equal(np.asarray(loaded(a, b)), np.asarray(restarted.jitted(a, b)))
+
+
+@pytest.mark.parametrize("change", ["recipe", "shape", "dtype", "sharding", "source",
+                                    "device_order", "jax_setting"])
+def test_each_ingredient_of_the_pre_key_changes_it(cache_dir, monkeypatch, request, tiny_config,
+                                                  change):
+  from mscale_jax.train import program_recipe
+  args = (_random(seed=1), _random(seed=2))
+  recipe = program_recipe(tiny_config())
+  compile_cache.load_or_lower(_Program(2.0).lower, args, "f", _mesh(), recipe)
+  mesh = _mesh()
+  if change == "recipe":          # one config field
+    recipe = program_recipe(tiny_config(optimizer=dict(warmup_steps=3)))
+  elif change == "shape":
+    args = (_random((24, 8), seed=1), _random((24, 8), seed=2))
+  elif change == "dtype":
+    args = (_random(seed=1, dtype=jnp.bfloat16), _random(seed=2, dtype=jnp.bfloat16))
+  elif change == "sharding":
+    args = (_random(seed=1, spec=P("data")), args[1])
+  elif change == "source":        # an edited checkout
+    monkeypatch.setattr(compile_cache, "source_digest", lambda: "edited")
+  elif change == "device_order":
+    mesh = _mesh(jax.devices()[::-1])
+    args = tuple(jax.device_put(x, NamedSharding(mesh, P("data", "tensor"))) for x in args)
+  elif change == "jax_setting":
+    previous = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    request.addfinalizer(lambda: jax.config.update("jax_default_matmul_precision", previous))
+  program = _Program(2.0)
+  executable, served = compile_cache.load_or_lower(program.lower, args, "f", mesh, recipe)
+  assert served != "loaded before lowering" and program.lowered == 1
+  assert len(_pre_keyed(cache_dir)) == 2         # the new pre-key is recorded
+  expected = _Program(2.0).jitted(*args)
+  np.testing.assert_array_equal(np.asarray(executable(*args)), np.asarray(expected))
+
+
+def test_a_pre_key_naming_a_torn_entry_is_a_miss_and_both_are_rewritten(cache_dir, caplog):
+  args = (_random(seed=5), _random(seed=6))
+  compile_cache.load_or_lower(_Program(1.0).lower, args, "g", _mesh(), "")
+  (entry,) = (cache_dir / "per-process").glob("*.pkl")
+  entry.write_bytes(entry.read_bytes()[:100])
+  program = _Program(1.0)
+  executable, served = compile_cache.load_or_lower(program.lower, args, "g", _mesh(), "")
+  assert served == "compiled" and program.lowered == 1 and "could not load" in caplog.text
+  np.testing.assert_array_equal(np.asarray(executable(*args)),
+                                np.asarray(program.jitted(*args)))
+  (index,) = (cache_dir / "per-process").glob("*.pre")
+  index.write_text("../elsewhere.pkl")           # an index naming no entry of this folder
+  assert compile_cache.load_or_lower(_Program(1.0).lower, args, "g", _mesh(), "")[1] == "loaded"
+  again = _Program(1.0)
+  assert compile_cache.load_or_lower(again.lower, args, "g", _mesh(), "")[1] == (
+      "loaded before lowering") and again.lowered == 0
+
+
+def test_programs_the_cache_refuses_get_no_pre_key(cache_dir):
+  from jax.experimental import io_callback
+  x = _random((8, 4), seed=7)
+  shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  for _ in range(2):
+    calls = _Program(1.0)
+    calls.jitted = jax.jit(lambda a: io_callback(lambda b: np.asarray(b) * 2, shape, a) + 1)
+    executable, served = compile_cache.load_or_lower(calls.lower, (x,), "cb", _mesh(), "")
+    assert served == "compiled" and calls.lowered == 1
+  one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  y = jax.random.normal(jax.random.key(8), (4, 4))
+  for _ in range(2):
+    few = _Program(1.0)
+    executable, served = compile_cache.load_or_lower(few.lower, (y, y), "few", one, "")
+    assert served == "compiled" and few.lowered == 1
+  assert not (cache_dir / "per-process").exists()
+
+
+def test_the_source_digest_covers_both_packages_and_changes_with_a_file(tmp_path, monkeypatch):
+  import shutil
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for package in ("mscale_jax", "pallas_kernels"):
+    shutil.copytree(os.path.join(repo, package), tmp_path / package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+  copied = str(tmp_path / "mscale_jax" / "compile_cache.py")
+  monkeypatch.setattr(compile_cache, "__file__", copied)
+  digests = []
+  for edited in (None, "mscale_jax/step.py", "pallas_kernels/lamb.py"):
+    if edited:
+      with open(tmp_path / edited, "a") as f:
+        f.write("\n# an edit\n")
+    compile_cache.source_digest.cache_clear()
+    digests.append(compile_cache.source_digest())
+  compile_cache.source_digest.cache_clear()
+  assert len(set(digests)) == 3

@@ -90,25 +90,26 @@ def test_a_restarted_process_loads_the_check_from_the_compile_cache(cache_dir, m
   """What a restart sees: the in-process memo empty, the per-process cache entry written by the
   run before. The loaded program is the one that catches a flipped bit."""
   served = []
-  compile_or_load = replicas.compile_cache.compile_or_load
+  load_or_lower = replicas.compile_cache.load_or_lower
 
-  def spy(*args):
-    executable, loaded = compile_or_load(*args)
-    served.append(loaded)
-    return executable, loaded
+  def spy(*args, **kwargs):
+    executable, how = load_or_lower(*args, **kwargs)
+    served.append(how)
+    return executable, how
 
-  monkeypatch.setattr(replicas.compile_cache, "compile_or_load", spy)
+  monkeypatch.setattr(replicas.compile_cache, "load_or_lower", spy)
   mesh = jax.make_mesh((4, 2), ("data", "tensor"))   # every device: the cache serves it
   rng = np.random.default_rng(7)
   replicas.check(_state(mesh, 0))
-  assert served == [False]
-  assert [f.split("-p0-")[0] for f in os.listdir(cache_dir / "per-process")] == ["replica_check"]
+  assert served == ["compiled"]
+  assert sorted(f.split("-p0-")[0] + f[-4:] for f in os.listdir(cache_dir / "per-process")) == [
+      "replica_check.pkl", "replica_check.pre"]
   replicas._program.cache_clear()   # a new process
   state = _state(mesh, 1)
   state["params"]["w"] = _flip_bit(state["params"]["w"], 5, rng)
   with pytest.raises(replicas.ReplicaDivergenceError, match="process 0 differs"):
     replicas.check(state, step=3)
-  assert served == [False, True]
+  assert served == ["compiled", "loaded before lowering"]
 
 
 def test_two_replicas_that_differ_name_no_majority():

@@ -100,10 +100,10 @@ from mscale_jax.callbacks.worker import FaultInjection
 from mscale_jax.resilience.faults import parse_faults
 unarmed = lowered_step("unarmed", [FaultInjection([])])
 compiled, compile_or_load = [], compile_cache.compile_or_load
-def spy(lowered, name, mesh):
+def spy(lowered, name, mesh, **kwargs):
   if name == "train_step":
     compiled.append(lowered.as_text())
-  return compile_or_load(lowered, name, mesh)
+  return compile_or_load(lowered, name, mesh, **kwargs)
 compile_cache.compile_or_load = spy
 armed = Trainer(config, f"{workdir}/armed", show_progress=False,
                 callbacks=[FaultInjection(parse_faults(["nan:step=2"]))])
