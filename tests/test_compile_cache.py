@@ -235,3 +235,26 @@ def test_the_source_digest_covers_both_packages_and_changes_with_a_file(tmp_path
     digests.append(compile_cache.source_digest())
   compile_cache.source_digest.cache_clear()
   assert len(set(digests)) == 3
+
+
+def test_a_restarted_trainer_steps_with_the_loaded_program_bitwise_alike(cache_dir, tiny_config,
+                                                                         tmp_path, caplog):
+  """Two trainers of one config (the second as a restarted process builds it): the second
+  never lowers its train step, and its first step's state is bitwise the first's."""
+  from mscale_jax.train import Trainer
+  config = tiny_config(train=dict(steps=3, log_every=1, eval_every=3, checkpoint_every=3))
+  states, lowered = [], []
+  for name in ("first", "restarted"):
+    trainer = Trainer(config, str(tmp_path / name), show_progress=False)
+    lower_step = trainer.lower_step
+    trainer.lower_step = lambda *args, name=name, lower=lower_step: (
+        lowered.append(name), lower(*args))[1]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mscale_jax"):
+      trainer.train(stop_at=1)
+    states.append(jax.device_get(trainer.final_state))
+  assert lowered == ["first"] and "loaded before lowering the train step" in caplog.text
+  leaves = jax.tree.leaves_with_path(states[0])
+  assert len(leaves) == len(jax.tree.leaves(states[1])) > 3
+  for (path, a), b in zip(leaves, jax.tree.leaves(states[1])):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
