@@ -209,10 +209,11 @@ def restart_phases(report: dict, run_dir: str) -> list[dict]:
   """Per restart, where its seconds went (rank 0): the driver's teardown (detection to the new
   group's start), process start to the worker's timeline (Python and JAX start-up or a warm
   standby's hand-over, jax.distributed, the self-check, building the trainer), the restore, the
-  compilation or compile-cache load (with the first batch and the step's tracing and lowering:
-  the cache is keyed by the lowered program), and the first step. `process_start_s` leaves the
+  compilation or compile-cache load (with the first batch, and the step's tracing and lowering
+  unless the cache's pre-key found it before them), and the first step. `process_start_s` leaves the
   self-check (`self_check_s`) out; a restart after one whose self-check excluded a slot has no
-  failure of its own (`self_check_s` None: its check is inside `process_start_s`)."""
+  failure of its own (`self_check_s` None: its check is inside `process_start_s`).
+  `start_to_first_step_s`: from the group's start to the end of its first step, all of it."""
   from mscale_jax.observability import timeline
   path = os.path.join(run_dir, "timeline", "rank0.jsonl")
   metas, spans = timeline.read_rank_file(path) if os.path.exists(path) else ([], [])
@@ -246,7 +247,8 @@ def restart_phases(report: dict, run_dir: str) -> list[dict]:
         "self_check_s": check,
         "restore_s": restore and restore["end"] - restore["start"],
         "compile_or_cache_load_s": compiled and compiled["end"] - compiled["start"],
-        "first_step_s": step_end - compiled["end"] if compiled and step_end else None})
+        "first_step_s": step_end - compiled["end"] if compiled and step_end else None,
+        "start_to_first_step_s": step_end - a["started"] if step_end else None})
   return out
 
 

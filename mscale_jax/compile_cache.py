@@ -41,6 +41,10 @@ def cache_folder() -> str | None:
   return os.path.join(root, "per-process") if root else None
 
 
+# MSCALE_COMPILE_CACHE_PREKEY=0 turns the pre-key off (every program is lowered for its key,
+# as before it; experiments.restart_cost measures the difference).
+PRE_KEY_SWITCH = "MSCALE_COMPILE_CACHE_PREKEY"
+
 # A call back into Python (io_callback, jax.debug.print, the Pallas TPU interpreter).
 _HOST_CALLBACK = re.compile(r"custom_call @\w*python\w*callback")
 
@@ -98,14 +102,15 @@ def load_or_lower(lower: Callable[..., Any], args: tuple, name: str, mesh: jax.s
   `served`: 'compiled', 'loaded' (after lowering) or 'loaded before lowering'. A miss lowers
   and goes through `compile_or_load`, with its safety rules (programs calling back into
   Python and programs on fewer than all devices are compiled, never cached, so they never
-  get a pre-key either); an unreadable entry behind a pre-key is a miss.
+  get a pre-key either); an unreadable entry behind a pre-key is a miss. With
+  MSCALE_COMPILE_CACHE_PREKEY=0 in the environment it is `compile_or_load(lower(*args))`.
   """
   folder = cache_folder()
   if folder is None or mesh.size != jax.device_count():
     executable, loaded = compile_or_load(lower(*args), name, mesh)
     return executable, "loaded" if loaded else "compiled"
-  key = pre_key(args, mesh, built_from)
-  executable = _load_by_pre_key(folder, name, key)
+  key = pre_key(args, mesh, built_from) if os.environ.get(PRE_KEY_SWITCH) != "0" else None
+  executable = None if key is None else _load_by_pre_key(folder, name, key)
   if executable is not None:
     return executable, "loaded before lowering"
   executable, loaded = compile_or_load(lower(*args), name, mesh, pre_key=key)

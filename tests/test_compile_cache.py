@@ -258,3 +258,12 @@ def test_a_restarted_trainer_steps_with_the_loaded_program_bitwise_alike(cache_d
   assert len(leaves) == len(jax.tree.leaves(states[1])) > 3
   for (path, a), b in zip(leaves, jax.tree.leaves(states[1])):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_pre_key_can_be_switched_off(cache_dir, monkeypatch):
+  args = (_random(seed=9), _random(seed=10))
+  compile_cache.load_or_lower(_Program(1.5).lower, args, "s", _mesh(), "")
+  monkeypatch.setenv(compile_cache.PRE_KEY_SWITCH, "0")
+  program = _Program(1.5)
+  assert compile_cache.load_or_lower(program.lower, args, "s", _mesh(), "")[1] == "loaded"
+  assert program.lowered == 1

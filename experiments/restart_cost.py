@@ -1,0 +1,108 @@
+"""What a restarted group pays from its start to its first step, with the compile cache's
+pre-key (mscale_jax/compile_cache.py: the train step found before tracing it) and without.
+
+  python -m experiments.restart_cost [--trials=3] [--steps=8] [--checkpoint_every=4]
+
+Runs gpt_tiny as the fault drill does (2 processes x 4 CPU devices under the launcher, no warm
+standbys), with one compile-cache folder for every run: a first run fills it, then each trial
+runs the job twice, once per arm in alternating order, killing process 1 between two saves
+(a `kill` fault) so that the driver restarts the group from the last checkpoint. The arm
+without the pre-key sets MSCALE_COMPILE_CACHE_PREKEY=0 (every process traces and lowers its
+programs to key the cache, then loads, as before the pre-key). Per restart, rank 0's timeline
+gives the group's start to the end of its first step and its parts
+(experiments/drill_accounting.py `restart_phases`); rank 0's log says how the cache served
+the train step.
+"""
+import os
+import statistics
+import tempfile
+
+from absl import app, flags
+
+from experiments import job, results
+from experiments.drill_accounting import restart_phases
+from mscale_jax.compile_cache import PRE_KEY_SWITCH
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
+flags.DEFINE_integer("trials", 3, "Restarts measured per arm (the arms alternate).")
+flags.DEFINE_integer("steps", 8, "Training steps per run.")
+flags.DEFINE_integer("checkpoint_every", 4, "Steps between saves.")
+flags.DEFINE_string("workdir", None, "Folder of the runs (default: a new temporary one).")
+flags.DEFINE_string("out_dir", None, "Record folder (default: results/).")
+
+ARMS = {"pre_key": {}, "no_pre_key": {PRE_KEY_SWITCH: "0"}}
+PARTS = ("start_to_first_step_s", "process_start_s", "restore_s", "compile_or_cache_load_s",
+         "first_step_s")
+
+
+def main(argv):
+  del argv
+  workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="restart_cost-")
+  cache = os.path.join(workdir, "compile_cache")
+  _restart(os.path.join(workdir, "fill"), cache, "pre_key")   # fills the cache: not counted
+  restarts = []
+  for trial in range(FLAGS.trials):
+    order = list(ARMS) if trial % 2 == 0 else list(ARMS)[::-1]
+    for arm in order:
+      restarts.append({"trial": trial, "arm": arm,
+                       **_restart(os.path.join(workdir, f"{trial}-{arm}"), cache, arm)})
+  figures = {"restarts": restarts}
+  for arm in ARMS:
+    mine = [r for r in restarts if r["arm"] == arm]
+    figures[arm] = {f"median_{p}": statistics.median(r[p] for r in mine) for p in PARTS}
+    figures[arm]["train_step_served"] = sorted({r["train_step_served"] for r in mine})
+  paired = [a["start_to_first_step_s"] - b["start_to_first_step_s"]
+            for a, b in zip(*([r for r in restarts if r["arm"] == arm]
+                              for arm in ("no_pre_key", "pre_key")))]
+  figures["saved_per_restart_s"] = {"median": statistics.median(paired), "per_trial": paired}
+  device = {"platform": "cpu", "processes": 2, "devices_per_process": 4,
+            "host_cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
+  path = results.write_record("restart_cost-" + os.path.basename(FLAGS.config)[:-3], figures,
+                              device=device, out_dir=FLAGS.out_dir,
+                              extra={"workdir": workdir, "steps": FLAGS.steps,
+                                     "checkpoint_every": FLAGS.checkpoint_every,
+                                     "kill_step": _kill_step()})
+  for arm in ARMS:
+    print(arm, figures[arm])
+  print("saved per restart (s):", figures["saved_per_restart_s"])
+  print(f"record: {path}")
+
+
+def _restart(workdir: str, cache: str, arm: str) -> dict:
+  """One run killed once and restarted; the restarted group's phases (rank 0)."""
+  train = [f"--config={FLAGS.config}", f"--config.train.steps={FLAGS.steps}",
+           f"--config.train.checkpoint_every={FLAGS.checkpoint_every}",
+           "--config.train.log_every=1", f"--config.train.eval_every={FLAGS.steps}"]
+  launcher = ["--num_processes=2", "--devices_per_process=4", "--nostandby",
+              f"--compile_cache_dir={cache}", f"--fault=kill:rank=1:step={_kill_step()}",
+              "--max_restarts=1"]
+  result = job.run(workdir, launcher, train, timeout_s=900, echo=False, env=ARMS[arm])
+  if result.status != 0:
+    raise SystemExit(f"the run in {workdir} failed (status {result.status}):\n{result.tail()}")
+  phases = restart_phases(result.report, workdir)
+  if not phases:
+    raise SystemExit(f"no restart in {workdir}'s timeline")
+  restarted = phases[-1]
+  print(f"[{arm}] {restarted['start_to_first_step_s']:.2f} s to the first step "
+        f"(compile or load {restarted['compile_or_cache_load_s']:.2f} s)", flush=True)
+  return {**{p: restarted[p] for p in PARTS}, "train_step_served": _served(workdir)}
+
+
+def _kill_step() -> int:
+  """Half way between the last two saves."""
+  return FLAGS.steps - FLAGS.checkpoint_every // 2
+
+
+def _served(workdir: str) -> str:
+  """How rank 0's restarted process got its train step (its log's last word on it)."""
+  logs = os.path.join(workdir, "logs")
+  last = max((f for f in os.listdir(logs) if f.endswith("rank0.log")),
+             key=lambda f: os.path.getmtime(os.path.join(logs, f)))
+  with open(os.path.join(logs, last)) as f:
+    said = [line for line in f if "the train step in" in line]
+  return said[-1].split("the train step in")[0].split(": ")[-1].strip() if said else "unknown"
+
+
+if __name__ == "__main__":
+  app.run(main)
