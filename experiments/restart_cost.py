@@ -1,7 +1,7 @@
 """What a restarted group pays from its start to its first step, with the compile cache's
 pre-key (mscale_jax/compile_cache.py: the train step found before tracing it) and without.
 
-  python -m experiments.restart_cost [--trials=3] [--steps=8] [--checkpoint_every=4]
+  python -m experiments.restart_cost [--trials=3] [--steps=24] [--checkpoint_every=8]
 
 Runs gpt_tiny as the fault drill does (2 processes x 4 CPU devices under the launcher, no warm
 standbys), with one compile-cache folder for every run: a first run fills it, then each trial
@@ -26,8 +26,8 @@ from mscale_jax.compile_cache import PRE_KEY_SWITCH
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
 flags.DEFINE_integer("trials", 3, "Restarts measured per arm (the arms alternate).")
-flags.DEFINE_integer("steps", 8, "Training steps per run.")
-flags.DEFINE_integer("checkpoint_every", 4, "Steps between saves.")
+flags.DEFINE_integer("steps", 24, "Training steps per run (more than the warm-up).")
+flags.DEFINE_integer("checkpoint_every", 8, "Steps between saves.")
 flags.DEFINE_string("workdir", None, "Folder of the runs (default: a new temporary one).")
 flags.DEFINE_string("out_dir", None, "Record folder (default: results/).")
 
@@ -101,7 +101,7 @@ def _served(workdir: str) -> str:
              key=lambda f: os.path.getmtime(os.path.join(logs, f)))
   with open(os.path.join(logs, last)) as f:
     said = [line for line in f if "the train step in" in line]
-  return said[-1].split("the train step in")[0].split(": ")[-1].strip() if said else "unknown"
+  return said[-1].split("the train step in")[0].split("] ")[-1].strip() if said else "unknown"
 
 
 if __name__ == "__main__":
