@@ -84,7 +84,7 @@ def test_a_nan_rolled_back_in_process_is_one_row_and_its_discarded_steps_count_o
 
 def test_restart_phases_split_each_restart(tmp_path):
   """Detected at 50, the new group started at 51, its timeline at 55 (2 s of which the
-  self-check), restore 55-56, compile 56-59, first step ended at 60."""
+  self-check), restore 55-56, compile 56-59, first step ended at 60 (9 s after the start)."""
   _write_timeline(tmp_path / "timeline", [
       {"meta": {"rank": 0, "attempt": 0, "wall0": 0.0}}, _span("sync", 1, 1.0, 2.0),
       {"meta": {"rank": 0, "attempt": 1, "wall0": 55.0}},
@@ -98,7 +98,8 @@ def test_restart_phases_split_each_restart(tmp_path):
   (phases,) = drill_accounting.restart_phases(report, str(tmp_path))
   assert phases == {"attempt": 1, "after": "kill:rank=1:step=12", "warm_processes": 2,
                     "teardown_s": 1.0, "process_start_s": 2.0, "self_check_s": 2.0,
-                    "restore_s": 1.0, "compile_or_cache_load_s": 3.0, "first_step_s": 1.0}
+                    "restore_s": 1.0, "compile_or_cache_load_s": 3.0, "first_step_s": 1.0,
+                    "start_to_first_step_s": 9.0}
 
 
 def test_compare_says_how_far_the_losses_are_equal():
