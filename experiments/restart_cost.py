@@ -10,9 +10,13 @@ runs the job twice, once per arm in alternating order, killing process 1 between
 without the pre-key sets MSCALE_COMPILE_CACHE_PREKEY=0 (every process traces and lowers its
 programs to key the cache, then loads, as before the pre-key). Per restart, rank 0's timeline
 gives the group's start to the end of its first step and its parts
-(experiments/drill_accounting.py `restart_phases`); rank 0's log says how the cache served
-the train step.
+(experiments/drill_accounting.py `restart_phases`), and `after_start_up_s`, the same without
+Python's and JAX's start-up (the noisiest part, untouched by the pre-key); rank 0's log says
+how the cache served the train step; `first_check_s` is the restarted group's first replica
+check (its program is pre-keyed too). `saved_per_restart_s`: per trial, the arm without the
+pre-key minus the arm with it.
 """
+import json
 import os
 import statistics
 import tempfile
@@ -32,8 +36,8 @@ flags.DEFINE_string("workdir", None, "Folder of the runs (default: a new tempora
 flags.DEFINE_string("out_dir", None, "Record folder (default: results/).")
 
 ARMS = {"pre_key": {}, "no_pre_key": {PRE_KEY_SWITCH: "0"}}
-PARTS = ("start_to_first_step_s", "process_start_s", "restore_s", "compile_or_cache_load_s",
-         "first_step_s")
+PARTS = ("start_to_first_step_s", "after_start_up_s", "process_start_s", "restore_s",
+         "compile_or_cache_load_s", "first_step_s", "first_check_s")
 
 
 def main(argv):
@@ -52,10 +56,8 @@ def main(argv):
     mine = [r for r in restarts if r["arm"] == arm]
     figures[arm] = {f"median_{p}": statistics.median(r[p] for r in mine) for p in PARTS}
     figures[arm]["train_step_served"] = sorted({r["train_step_served"] for r in mine})
-  paired = [a["start_to_first_step_s"] - b["start_to_first_step_s"]
-            for a, b in zip(*([r for r in restarts if r["arm"] == arm]
-                              for arm in ("no_pre_key", "pre_key")))]
-  figures["saved_per_restart_s"] = {"median": statistics.median(paired), "per_trial": paired}
+  figures["saved_per_restart_s"] = _saved(restarts, "start_to_first_step_s")
+  figures["saved_after_start_up_s"] = _saved(restarts, "after_start_up_s")
   device = {"platform": "cpu", "processes": 2, "devices_per_process": 4,
             "host_cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
   path = results.write_record("restart_cost-" + os.path.basename(FLAGS.config)[:-3], figures,
@@ -66,6 +68,7 @@ def main(argv):
   for arm in ARMS:
     print(arm, figures[arm])
   print("saved per restart (s):", figures["saved_per_restart_s"])
+  print("saved after start-up (s):", figures["saved_after_start_up_s"])
   print(f"record: {path}")
 
 
@@ -84,9 +87,23 @@ def _restart(workdir: str, cache: str, arm: str) -> dict:
   if not phases:
     raise SystemExit(f"no restart in {workdir}'s timeline")
   restarted = phases[-1]
+  # Without Python's and JAX's start-up (the noisiest part, the same in both arms): from the
+  # worker's timeline (the trainer built) to its first step's end.
+  restarted["after_start_up_s"] = (restarted["start_to_first_step_s"] -
+                                   restarted["process_start_s"] -
+                                   (restarted["self_check_s"] or 0.0))
+  with open(os.path.join(workdir, "summary.json")) as f:   # the restarted group's
+    restarted["first_check_s"] = json.load(f)["checkpoint_saves"][0]["replica_check_s"]
   print(f"[{arm}] {restarted['start_to_first_step_s']:.2f} s to the first step "
         f"(compile or load {restarted['compile_or_cache_load_s']:.2f} s)", flush=True)
   return {**{p: restarted[p] for p in PARTS}, "train_step_served": _served(workdir)}
+
+
+def _saved(restarts: list[dict], part: str) -> dict:
+  """`part` without the pre-key minus with it, per trial, and their median."""
+  per_trial = [off[part] - on[part] for off, on in zip(
+      *([r for r in restarts if r["arm"] == arm] for arm in ("no_pre_key", "pre_key")))]
+  return {"median": statistics.median(per_trial), "per_trial": per_trial}
 
 
 def _kill_step() -> int:
