@@ -61,7 +61,8 @@ def cache_key(program_text: str, device_order: list[int]) -> str:
   return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 
-def compile_or_load(lowered, name: str, mesh: jax.sharding.Mesh, *, pre_key: str | None = None):
+def compile_or_load(lowered, name: str, mesh: jax.sharding.Mesh, *,
+                    record_pre_key: str | None = None):
   """(executable, loaded): `lowered` compiled, or loaded from this process's cache.
 
   `mesh`: the mesh the program is sharded over; its devices, in order, are part of the key. A
@@ -69,7 +70,7 @@ def compile_or_load(lowered, name: str, mesh: jax.sharding.Mesh, *, pre_key: str
   compiled, as is one that calls back into
   Python (serialising it crashes). `loaded` says whether the cache
   served it. A missing, stale or unreadable entry is compiled afresh and (re)written
-  atomically; a cache that cannot be written only logs a warning. `pre_key`
+  atomically; a cache that cannot be written only logs a warning. `record_pre_key`
   (`load_or_lower`'s): also recorded as a name of the entry, once the entry is on disk.
   """
   folder = cache_folder()
@@ -86,8 +87,8 @@ def compile_or_load(lowered, name: str, mesh: jax.sharding.Mesh, *, pre_key: str
     stored = _write(path, _serialized(executable))
   else:
     loaded = stored = True
-  if pre_key is not None and stored:
-    _write(_entry(folder, name, pre_key, ".pre"), os.path.basename(path).encode())
+  if record_pre_key is not None and stored:
+    _write(_entry(folder, name, record_pre_key, ".pre"), os.path.basename(path).encode())
   return executable, loaded
 
 
@@ -113,7 +114,7 @@ def load_or_lower(lower: Callable[..., Any], args: tuple, name: str, mesh: jax.s
   executable = None if key is None else _load_by_pre_key(folder, name, key)
   if executable is not None:
     return executable, "loaded before lowering"
-  executable, loaded = compile_or_load(lower(*args), name, mesh, pre_key=key)
+  executable, loaded = compile_or_load(lower(*args), name, mesh, record_pre_key=key)
   return executable, "loaded" if loaded else "compiled"
 
 
@@ -133,7 +134,7 @@ def abstract_inputs(args) -> str:
   for x in leaves:
     sharding = getattr(x, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    devices = None if mesh is None else [d.id for d in mesh.devices.flat]
+    devices = [d.id for d in mesh.devices.flat] if isinstance(mesh, jax.sharding.Mesh) else None
     parts.append(repr((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))),
                        bool(getattr(x, "weak_type", False)), repr(sharding), devices)))
   return "\n".join(parts)
