@@ -10,12 +10,16 @@ weight gradients. `split` does this for any traceable backward, on its jaxpr:
   values B computed that W reads;
   W runs the remaining equations the W outputs depend on, from `saved` and the arguments.
 
+What W reads of B's is kept in memory from B to W, so W runs cheap work again (elementwise
+steps, an all-gather) where its inputs take no more bytes than the outputs it would read: of
+a chain of elementwise steps B kept one value, of a gathered array the shard.
+
 A scan (the model's layers) is split the same way inside: B's scan carries the cotangent chain
 and emits per iteration what W's needs, W's scan (no carry) maps the weight-gradient matmuls
 over those. Checkpoint regions are inlined; every other equation (jit calls, shard_map regions)
 is atomic: in B when B needs any of its outputs, its other outputs then saved for W. Both
 passes evaluate the traced equations as they are, so B and W together compute exactly what the
-unsplit backward computes, once.
+unsplit backward computes, its matmuls once.
 """
 import dataclasses
 
@@ -104,7 +108,9 @@ class _Plan:
     for i in reversed(range(len(self.eqns))):
       eqn = self.eqns[i]
       used = [o in live for o in eqn.outvars]
-      recompute = i not in self.nested and all(o in cheap for o, u in zip(eqn.outvars, used) if u)
+      recompute = i not in self.nested and (
+          all(o in cheap for o, u in zip(eqn.outvars, used) if u)
+          or _smaller_redone(eqn, used, lambda a: a in live or a in cheap or a in readable))
       if i not in self.b_eqns or recompute:
         if any(used):
           self.w_eqns.add(i)
@@ -146,6 +152,27 @@ class _Plan:
 _COSTLY = {"dot_general", "conv_general_dilated", "psum", "psum_invariant", "pmax", "pmin",
            "all_gather", "all_gather_invariant", "reduce_scatter", "psum_scatter", "ppermute",
            "all_to_all", "pallas_call"}
+
+
+# Communication W runs again where that keeps less: an all-gather, whose input is a fraction
+# of its output (the unsplit backward of a per-layer checkpoint gathers its input again too).
+_REGATHER = {"all_gather", "all_gather_invariant"}
+
+
+def _smaller_redone(eqn, used, free) -> bool:
+  """Whether W redoes `eqn` (cheap, or an all-gather) rather than keep the outputs of it that
+  it reads (`used`): the inputs W would not have anyway (`free(var)` false) take no more
+  bytes than those outputs. So of a chain of elementwise steps B ran W keeps one value, not
+  one per step, and of a gathered array the shard."""
+  if not (_is_cheap(eqn) or eqn.primitive.name in _REGATHER):
+    return False
+  extra = {a for a in eqn.invars if _is_var(a) and not free(a)}
+  return (sum(_nbytes(a) for a in extra)
+          <= sum(_nbytes(o) for o, u in zip(eqn.outvars, used) if u))
+
+
+def _nbytes(v) -> int:
+  return v.aval.size * v.aval.dtype.itemsize
 
 
 def _is_cheap(eqn) -> bool:

@@ -19,7 +19,8 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
             stashed input ('full'); weight gradients accumulated, the input cotangent sent
             back. With a split backward (zb_h1, `backward_split`) B computes the input
             cotangent only and files what its W reads of that work (each weight matmul's
-            output cotangent and input) in kept slots (`pipeline_pools.Kept`) for
+            output cotangent; a matmul's input where W cannot derive it again cheaply from
+            the stash) in kept slots (`pipeline_pools.Kept`) for
   W         the weight gradients of that (microbatch, chunk), its weight matmuls only, from
             those and the same stash (the model's first chunk: its whole backward).
 The loss head runs on the last chunk's ticks only and the embedding lookup on the first
