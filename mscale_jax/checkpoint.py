@@ -18,7 +18,9 @@ longer match their manifest (bit rot, a bad disk, a torn copy) is set aside into
 WORKDIR/checkpoints_corrupt/ with a warning, and the previous complete one becomes the latest:
 nothing is deleted, nothing corrupt is restored. A save that cannot be written (a read-only or
 full disk) raises `CheckpointWriteError` naming the step, the folder and the checkpoint that
-stays the latest; orbax's temporary folder never counts as a checkpoint.
+stays the latest; orbax's temporary folder never counts as a checkpoint, and `discard` removes
+it (at once, or before the next save where the folder still refuses changes). Every process
+agrees whether a save can start (`_agree`), so that none enters orbax's collective save alone.
 
 Every save's two stages are timed (MegaScale's two-stage checkpointing): `stall_s`, how long
 `save` held the training loop (device-to-host copy, and waiting for a previous save still being
@@ -28,6 +30,7 @@ import dataclasses
 import glob
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -55,6 +58,13 @@ ITEMS = ("state", "data", "meta")
 
 class CheckpointWriteError(RuntimeError):
   """A checkpoint could not be written; the previous complete one stays the latest."""
+
+  def __init__(self, message: str, step: int | None = None):
+    super().__init__(message)
+    self.step = step
+
+
+TMP_MARK = ".orbax-checkpoint-tmp"   # orbax's temporary folder: STEP + TMP_MARK + suffix
 
 
 def set_aside_corrupt(directory: str) -> list[dict]:
@@ -84,6 +94,8 @@ class Checkpointer:
     self._lock = threading.Lock()
     self._stalled_until = None
     self._checked_step = None          # the newest save whose write was checked
+    self._refused: set[int] = set()    # refused saves whose temporary folder may remain
+    self._probes = 0                   # saves started (names the processes' agreement)
     self.set_aside = self._check_newest()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
@@ -120,10 +132,14 @@ class Checkpointer:
     `layer_layout` (pipeline stages, virtual stages) names the order of the stacked layers
     (`parallel.pipeline.layer_order`), so another layout can restore them. How long the loop
     was held (`stall_s`) and the background write took (`write_s`) go to `self.saves`.
+    A previous save still being written is waited for first: if it failed, its
+    CheckpointWriteError (its step) is raised and this one is not started.
     """
     start = time.perf_counter()
+    self.wait()
+    self._remove_refused()
     try:
-      self._can_write()
+      self._agree(self._can_write())
       self._save(step, state, data_state, config, layer_layout)
     except Exception as e:
       raise self._write_error(step, e) from e
@@ -135,13 +151,53 @@ class Checkpointer:
                          "write_s": None if self.async_save else 0.0})
       self._stalled_until = end
 
-  def _can_write(self) -> None:
-    """OSError now if the folder refuses a new file (read-only, full, gone), rather than from
-    orbax's background thread later."""
+  def _can_write(self) -> str:
+    """'' if the folder takes a new file, else why not (read-only, full, gone): found now
+    rather than in orbax's background thread later."""
     probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
-    with open(probe, "wb") as f:
-      f.write(b"0")
-    os.remove(probe)
+    try:
+      with open(probe, "wb") as f:
+        f.write(b"0")
+      os.remove(probe)
+    except OSError as e:
+      return f"{type(e).__name__}: {e}"
+    return ""
+
+  def _agree(self, problem: str) -> None:
+    """Raises OSError unless every process can write (`problem` is this one's, '' if none).
+
+    Orbax's save waits at barriers for every process, so a process that gave up alone would
+    leave its peers there; the answers go through jax.distributed's key-value store (no
+    compiled program)."""
+    self._probes += 1
+    if jax.process_count() > 1:
+      client = ocp.multihost.get_jax_distributed_client()
+      key = f"mscale_save_probe/{self._probes}"
+      client.key_value_set(f"{key}/{jax.process_index()}", problem or "ok")
+      answers = [client.blocking_key_value_get(f"{key}/{i}", 300_000)
+                 for i in range(jax.process_count())]
+      problem = next((f"process {i}: {a}" for i, a in enumerate(answers) if a != "ok"), "")
+    if problem:
+      raise OSError(problem)
+
+  def discard(self, step: int) -> None:
+    """Drops refused save `step`: its temporary folder goes (process 0, which renames it; now
+    or before the next save, where the directory still refuses changes), the previous
+    complete checkpoint stays the latest. Orbax's list of checkpoints is read from disk again:
+    an old one it failed to delete meanwhile is deleted by a later save, as it should be."""
+    self._refused.add(step)
+    self._remove_refused()
+    self._manager.reload()
+
+  def _remove_refused(self) -> None:
+    if jax.process_index() != 0:
+      self._refused.clear()
+      return
+    for step in sorted(self._refused):
+      for path in glob.glob(os.path.join(self.directory, f"{step}{TMP_MARK}*")):
+        shutil.rmtree(path, ignore_errors=True)
+      if not glob.glob(os.path.join(self.directory, f"{step}{TMP_MARK}*")):
+        self._refused.discard(step)
 
   def _written(self) -> None:
     """orbax's callback once the background write of the newest save is complete."""
@@ -159,7 +215,7 @@ class Checkpointer:
     the final folder."""
     if jax.process_index() != 0:
       return
-    pending = glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*"))
+    pending = glob.glob(os.path.join(self.directory, f"{step}{TMP_MARK}*"))
     final = os.path.join(self.directory, str(step))
     path = pending[0] if len(pending) == 1 else final if os.path.isdir(final) else None
     if path is not None:   # the items; orbax rewrites its own step metadata when committing
@@ -172,7 +228,7 @@ class Checkpointer:
     return CheckpointWriteError(
         f"{what} could not be written under {self.directory} ({type(error).__name__}: "
         f"{error}); the latest complete checkpoint is still step {latest}, "
-        f"intact: a restart resumes from it")
+        f"intact: a restart resumes from it", step)
 
   def _save(self, step: int, state, data_state: dict, config: Config,
             layer_layout: tuple[int, int]) -> None:
@@ -246,37 +302,43 @@ class Checkpointer:
     self.restore_s = time.perf_counter() - start
     return state
 
-  def check(self) -> None:
-    """Raises CheckpointWriteError if a background write has failed since the last call."""
+  def check(self) -> int | None:
+    """Raises CheckpointWriteError if a background write has failed since the last call;
+    returns the step of a save newly found complete, if any."""
     try:
       self._manager.check_for_errors()
     except Exception as e:
-      raise self._write_error(self._newest_save(), e) from e
+      self._checked_step = self._newest_save()   # reported once
+      raise self._write_error(self._checked_step, e) from e
     if not self._manager.is_saving_in_progress():
-      self._check_newest_written()
+      return self._check_newest_written()
+    return None
 
-  def wait(self) -> None:
-    """Blocks until every started save is on disk (CheckpointWriteError if one failed)."""
+  def wait(self) -> int | None:
+    """Blocks until every started save is on disk (CheckpointWriteError if one failed);
+    returns the step of a save newly found complete, if any."""
     try:
       self._manager.wait_until_finished()
     except Exception as e:
-      raise self._write_error(self._newest_save(), e) from e
-    self._check_newest_written()
+      self._checked_step = self._newest_save()   # reported once
+      raise self._write_error(self._checked_step, e) from e
+    return self._check_newest_written()
 
   def _newest_save(self) -> int | None:
     return self.saves[-1]["step"] if self.saves else None
 
-  def _check_newest_written(self) -> None:
+  def _check_newest_written(self) -> int | None:
     """Once the newest save's background write has ended: CheckpointWriteError unless it left
-    a complete checkpoint. Orbax's own finalizing thread may take a failed write's error first
-    and only log it, so `check_for_errors` alone can miss one."""
+    a complete checkpoint (else its step). Orbax's own finalizing thread may take a failed
+    write's error first and only log it, so `check_for_errors` alone can miss one."""
     step = self._newest_save()
     if step is None or step == self._checked_step:
-      return
+      return None
     self._checked_step = step   # reported once
     if step not in checkpoint_steps(self.directory):
       raise self._write_error(step, RuntimeError(
           "its background write ended without a complete checkpoint; the log above says why"))
+    return step
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager's threads."""
@@ -284,6 +346,7 @@ class Checkpointer:
       self.wait()
     finally:
       self._manager.close()
+      self._remove_refused()
 
 
 def abstract_like(tree, shardings):
