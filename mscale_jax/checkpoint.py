@@ -26,6 +26,7 @@ Every save's two stages are timed (MegaScale's two-stage checkpointing): `stall_
 `save` held the training loop (device-to-host copy, and waiting for a previous save still being
 written), and `write_s`, how long the background write took after that. Restores are timed too.
 """
+import collections
 import dataclasses
 import glob
 import logging
@@ -83,6 +84,38 @@ def set_aside_corrupt(directory: str) -> list[dict]:
   return moved
 
 
+class _Barriers:
+  """Orbax's barriers between processes (its AsyncOptions.barrier_sync_fn), kept in
+  jax.distributed's key-value store so that a save whose background write failed somewhere
+  lets the others go: orbax's process 0, whose final rename failed, never reaches that save's
+  last barrier, and the others would wait there for minutes, holding their next save. A
+  process that finds save `n` failed calls `give_up(n)`; barriers of save `n` then raise."""
+
+  def __init__(self):
+    self.uses = collections.Counter()   # each orbax key, numbered by use (the same everywhere)
+    self.save = 0                       # the save being written (Checkpointer._probes)
+    self._given_up: set[int] = set()
+
+  def __call__(self, *, key: str, timeout_ms: int) -> None:
+    client = ocp.multihost.get_jax_distributed_client()
+    self.uses[key] += 1
+    name, save = f"mscale_barrier/{key}/{self.uses[key]}/", self.save
+    client.key_value_set(f"{name}{jax.process_index()}", "1")
+    deadline = time.monotonic() + timeout_ms / 1000
+    while len(client.key_value_dir_get(name)) < jax.process_count():
+      if client.key_value_dir_get(f"mscale_save_failed/{save}/"):
+        raise OSError(f"barrier {key!r}: another process found this save failed")
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"barrier {key!r}: not every process came in {timeout_ms} ms")
+      time.sleep(0.01)
+
+  def give_up(self, save: int) -> None:
+    if save not in self._given_up:
+      self._given_up.add(save)
+      client = ocp.multihost.get_jax_distributed_client()
+      client.key_value_set(f"mscale_save_failed/{save}/{jax.process_index()}", "1")
+
+
 class Checkpointer:
   """Saves and restores train state, data-iterator state and model config under `directory`."""
 
@@ -96,6 +129,7 @@ class Checkpointer:
     self._checked_step = None          # the newest save whose write was checked
     self._refused: set[int] = set()    # refused saves whose temporary folder may remain
     self._probes = 0                   # saves started (names the processes' agreement)
+    self._barriers = _Barriers() if jax.process_count() > 1 else None
     self.set_aside = self._check_newest()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
@@ -105,7 +139,8 @@ class Checkpointer:
         # save there (a failure in orbax's background mkdir leaves its threads waiting
         # minutes for a signal that never comes, holding the process at exit).
         async_options=(ocp.AsyncOptions(post_finalization_callback=self._written,
-                                        create_directories_asynchronously=False)
+                                        create_directories_asynchronously=False,
+                                        barrier_sync_fn=self._barriers)
                        if async_save else None))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=ITEMS)
@@ -140,6 +175,8 @@ class Checkpointer:
     self._remove_refused()
     try:
       self._agree(self._can_write())
+      if self._barriers is not None:
+        self._barriers.save = self._probes
       self._save(step, state, data_state, config, layer_layout)
     except Exception as e:
       raise self._write_error(step, e) from e
@@ -183,11 +220,13 @@ class Checkpointer:
   def discard(self, step: int) -> None:
     """Drops refused save `step`: its temporary folder goes (process 0, which renames it; now
     or before the next save, where the directory still refuses changes), the previous
-    complete checkpoint stays the latest. Orbax's list of checkpoints is read from disk again:
-    an old one it failed to delete meanwhile is deleted by a later save, as it should be."""
+    complete checkpoint stays the latest. (An old checkpoint orbax could not delete while the
+    directory refused changes stays, complete; orbax's list is not re-read: that takes a
+    barrier of every process, which may find the refusal steps apart.)"""
     self._refused.add(step)
+    if self._barriers is not None:   # peers still waiting in its barriers go on
+      self._barriers.give_up(self._barriers.save)
     self._remove_refused()
-    self._manager.reload()
 
   def _remove_refused(self) -> None:
     if jax.process_index() != 0:
