@@ -86,12 +86,17 @@ def set_aside_corrupt(directory: str) -> list[dict]:
 
 class _Barriers:
   """Orbax's barriers between processes (its AsyncOptions.barrier_sync_fn), kept in
-  jax.distributed's key-value store so that a save whose background write failed somewhere
-  lets the others go: orbax's process 0, whose final rename failed, never reaches that save's
-  last barrier, and the others would wait there for minutes, holding their next save. A
-  process that finds save `n` failed calls `give_up(n)`; barriers of save `n` then raise."""
+  jax.distributed's key-value store so that a save whose commit fails lets the others go:
+  orbax's process 0, whose final rename fails, never reaches that save's last barrier, and the
+  others would wait there for minutes, holding their next save. A process that gave save `n`
+  up (`give_up`) counts as arrived at every barrier of save `n`; the others then find the
+  checkpoint missing themselves (Checkpointer.check)."""
+
+  made = 0   # instances so far: the same sequence in every process, so it names their keys
 
   def __init__(self):
+    _Barriers.made += 1
+    self.prefix = f"mscale_checkpointer{_Barriers.made}"
     self.uses = collections.Counter()   # each orbax key, numbered by use (the same everywhere)
     self.save = 0                       # the save being written (Checkpointer._probes)
     self._given_up: set[int] = set()
@@ -99,21 +104,25 @@ class _Barriers:
   def __call__(self, *, key: str, timeout_ms: int) -> None:
     client = ocp.multihost.get_jax_distributed_client()
     self.uses[key] += 1
-    name, save = f"mscale_barrier/{key}/{self.uses[key]}/", self.save
+    name, save = f"{self.prefix}/barrier/{key}/{self.uses[key]}/", self.save
     client.key_value_set(f"{name}{jax.process_index()}", "1")
     deadline = time.monotonic() + timeout_ms / 1000
-    while len(client.key_value_dir_get(name)) < jax.process_count():
-      if client.key_value_dir_get(f"mscale_save_failed/{save}/"):
-        raise OSError(f"barrier {key!r}: another process found this save failed")
+    while True:
+      arrived = {k.rsplit("/", 1)[1] for k, _ in client.key_value_dir_get(name)}
+      arrived |= {k.rsplit("/", 1)[1] for k, _ in
+                  client.key_value_dir_get(f"{self.prefix}/gave_up/{save}/")}
+      if len(arrived) >= jax.process_count():
+        return
       if time.monotonic() > deadline:
         raise TimeoutError(f"barrier {key!r}: not every process came in {timeout_ms} ms")
       time.sleep(0.01)
 
-  def give_up(self, save: int) -> None:
-    if save not in self._given_up:
-      self._given_up.add(save)
+  def give_up(self) -> None:
+    """This process will not finish the save being written."""
+    if self.save not in self._given_up:
+      self._given_up.add(self.save)
       client = ocp.multihost.get_jax_distributed_client()
-      client.key_value_set(f"mscale_save_failed/{save}/{jax.process_index()}", "1")
+      client.key_value_set(f"{self.prefix}/gave_up/{self.save}/{jax.process_index()}", "1")
 
 
 class Checkpointer:
@@ -225,7 +234,7 @@ class Checkpointer:
     barrier of every process, which may find the refusal steps apart.)"""
     self._refused.add(step)
     if self._barriers is not None:   # peers still waiting in its barriers go on
-      self._barriers.give_up(self._barriers.save)
+      self._barriers.give_up()
     self._remove_refused()
 
   def _remove_refused(self) -> None:
@@ -239,13 +248,23 @@ class Checkpointer:
         self._refused.discard(step)
 
   def _written(self) -> None:
-    """orbax's callback once the background write of the newest save is complete."""
+    """orbax's callback once the background write of the newest save is complete (process 0,
+    just before orbax renames its folder: if the directory refuses that, the save is given up
+    now, so that the other processes do not wait for its commit)."""
     with self._lock:
       if self.saves and self.saves[-1]["write_s"] is None:
         self.saves[-1]["write_s"] = time.perf_counter() - self._stalled_until
       step = self.saves[-1]["step"] if self.saves else None
-    if step is not None:
-      self._manifest(step)
+    try:
+      if step is not None:
+        self._manifest(step)
+      refused = self._barriers is not None and self._can_write()
+    except BaseException:
+      refused = self._barriers is not None
+      raise
+    finally:
+      if refused:
+        self._barriers.give_up()
 
   def _manifest(self, step: int) -> None:
     """Process 0 writes the checksum manifest of checkpoint `step` once its files are written:

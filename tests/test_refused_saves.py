@@ -6,6 +6,9 @@ next save tries again; `train.max_refused_saves` refusals in a row stop the run.
 import glob
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -16,6 +19,8 @@ from mscale_jax.resilience.driver import injector
 from mscale_jax.train import Trainer
 
 pytestmark = pytest.mark.slow   # real training runs
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "refused_save_worker.py")
 
 
 class ReadOnly(Callback):
@@ -108,3 +113,32 @@ def test_max_refused_saves_in_a_row_stop_the_run(tiny_config, tmp_path):
   assert [(step, latest) for step, latest, _ in faulty.refused] == [(4, 2)]
   assert checkpoint_steps(directory) == [2]
   assert [s for s, _ in _losses(tmp_path)] == list(range(1, 7))
+
+
+def test_two_processes_both_drop_a_save_whose_commit_process_0_could_not_make(tmp_path):
+  """Two JAX processes (jax.distributed) save into one folder; it turns read-only just before
+  process 0 renames step 8's folder (tests/refused_save_worker.py). Process 1, waiting for that
+  commit at orbax's barrier, is let go instead of waiting minutes; both report step 8 refused
+  and step 12 is written by both."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MSCALE_NUM_PROCESSES="2",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             MSCALE_COORDINATOR=f"127.0.0.1:{port}", DUMP_AFTER="150")
+  directory = str(tmp_path / "checkpoints")
+  procs = [subprocess.Popen([sys.executable, WORKER, directory], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=dict(env, MSCALE_PROCESS_ID=str(rank)))
+           for rank in range(2)]
+  try:
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+    injector.make_writable(directory)
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+  seen = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
+  assert [s["refused"] for s in seen] == [8, 8], seen
+  assert checkpoint_steps(directory) == [12, 4]
+  assert sorted(os.listdir(directory)) == ["12", "4"]   # no temporary folder left
