@@ -255,16 +255,18 @@ class Checkpointer:
       if self.saves and self.saves[-1]["write_s"] is None:
         self.saves[-1]["write_s"] = time.perf_counter() - self._stalled_until
       step = self.saves[-1]["step"] if self.saves else None
+    if self._barriers is None:
+      if step is not None:
+        self._manifest(step)
+      return
     try:
       if step is not None:
         self._manifest(step)
-      refused = self._barriers is not None and self._can_write()
     except BaseException:
-      refused = self._barriers is not None
+      self._barriers.give_up()
       raise
-    finally:
-      if refused:
-        self._barriers.give_up()
+    if self._can_write():   # the rename orbax does next would fail
+      self._barriers.give_up()
 
   def _manifest(self, step: int) -> None:
     """Process 0 writes the checksum manifest of checkpoint `step` once its files are written:
@@ -360,43 +362,39 @@ class Checkpointer:
     self.restore_s = time.perf_counter() - start
     return state
 
-  def check(self) -> int | None:
-    """Raises CheckpointWriteError if a background write has failed since the last call;
-    returns the step of a save newly found complete, if any."""
+  def check(self) -> None:
+    """Raises CheckpointWriteError if a background write has failed since the last call."""
     try:
       self._manager.check_for_errors()
     except Exception as e:
       self._checked_step = self._newest_save()   # reported once
       raise self._write_error(self._checked_step, e) from e
     if not self._manager.is_saving_in_progress():
-      return self._check_newest_written()
-    return None
+      self._check_newest_written()
 
-  def wait(self) -> int | None:
-    """Blocks until every started save is on disk (CheckpointWriteError if one failed);
-    returns the step of a save newly found complete, if any."""
+  def wait(self) -> None:
+    """Blocks until every started save is on disk (CheckpointWriteError if one failed)."""
     try:
       self._manager.wait_until_finished()
     except Exception as e:
       self._checked_step = self._newest_save()   # reported once
       raise self._write_error(self._checked_step, e) from e
-    return self._check_newest_written()
+    self._check_newest_written()
 
   def _newest_save(self) -> int | None:
     return self.saves[-1]["step"] if self.saves else None
 
-  def _check_newest_written(self) -> int | None:
+  def _check_newest_written(self) -> None:
     """Once the newest save's background write has ended: CheckpointWriteError unless it left
-    a complete checkpoint (else its step). Orbax's own finalizing thread may take a failed
-    write's error first and only log it, so `check_for_errors` alone can miss one."""
+    a complete checkpoint. Orbax's own finalizing thread may take a failed write's error first
+    and only log it, so `check_for_errors` alone can miss one."""
     step = self._newest_save()
     if step is None or step == self._checked_step:
-      return None
+      return
     self._checked_step = step   # reported once
     if step not in checkpoint_steps(self.directory):
       raise self._write_error(step, RuntimeError(
           "its background write ended without a complete checkpoint; the log above says why"))
-    return step
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager's threads."""

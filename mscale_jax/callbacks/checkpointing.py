@@ -26,7 +26,7 @@ class Checkpointing(Callback):
   mscale_jax/replicas.py): a divergent state raises ReplicaDivergenceError and is not saved."""
 
   def __init__(self):
-    self.refused_in_a_row = 0
+    self.refused: list[int] = []   # refused saves since the newest complete checkpoint
 
   def on_save(self, run, step):
     t = run.trainer
@@ -34,25 +34,22 @@ class Checkpointing(Callback):
     if t.config.train.check_replicas:
       replicas.check(run.state, step)
     checked_s = time.perf_counter() - start
-    while True:
+    for _ in range(2):   # the previous save's failed write is raised first, then this one runs
       try:
         t.checkpointer.save(step, run.state, t.train_iter.get_state(), t.config,
                             layer_layout=t.layer_layout)
-        break
       except CheckpointWriteError as error:
         self._refused(run, error.step, error)
         if error.step == step:
           return
-        # else the previous save's write had failed: this one was not started yet
-    if t.config.train.check_replicas:   # the summary's checkpoint_saves carry its cost
-      t.checkpointer.saves[-1]["replica_check_s"] = checked_s
-    if not t.checkpointer.async_save:
-      self.refused_in_a_row = 0
+        continue
+      if t.config.train.check_replicas:   # the summary's checkpoint_saves carry its cost
+        t.checkpointer.saves[-1]["replica_check_s"] = checked_s
+      return
 
   def on_step_checked(self, run, checked):
     try:   # a background write that failed is found now
-      if run.trainer.checkpointer.check() is not None:
-        self.refused_in_a_row = 0
+      run.trainer.checkpointer.check()
     except CheckpointWriteError as error:
       self._refused(run, error.step, error)
 
@@ -60,14 +57,17 @@ class Checkpointing(Callback):
     run.trainer.checkpointer.close()
 
   def _refused(self, run, step: int | None, error: CheckpointWriteError) -> None:
-    """Drops refused save `step` and goes on, unless it is the `max_refused_saves`-th in a row."""
+    """Drops refused save `step` and goes on, unless it is the `max_refused_saves`-th since
+    the newest complete checkpoint or the run's last save."""
     limit = run.config.train.max_refused_saves
-    self.refused_in_a_row += 1
+    checkpointer = run.trainer.checkpointer
     if step is not None:
-      run.trainer.checkpointer.discard(step)
-    if self.refused_in_a_row >= limit or (step is not None and step >= run.end):
+      checkpointer.discard(step)
+    newest = checkpointer.latest_step() or 0   # a refused save never counts as one
+    self.refused = [s for s in self.refused if s > newest] + [step or newest + 1]
+    if len(self.refused) >= limit or (step is not None and step >= run.end):
       raise error
     run.refused_saves.append({"step": step, "error": str(error), "time": time.time()})
-    log.warning("%s; save %d of %d refused in a row: training goes on, the next save tries "
-                "again", error, self.refused_in_a_row, limit)
+    log.warning("%s; %d of %d refused in a row: training goes on, the next save tries again",
+                error, len(self.refused), limit)
     run.callbacks.on_save_refused(run, step, error)
