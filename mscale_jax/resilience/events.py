@@ -34,7 +34,7 @@ FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER, SELF_
 SAVE_REFUSED = "save_refused"   # the file system refused a checkpoint; dropped, training went on
 RECOVERED_KINDS = (SAVE_REFUSED,)
 # A heartbeat carries its worker's last this many of them.
-MAX_RECOVERED = 20
+MAX_RECOVERED = 10
 
 # Exit statuses of experiments.train beyond 0 (done), 1 (exception) and 2 (bad input).
 EXIT_NONFINITE = 3
