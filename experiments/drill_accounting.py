@@ -139,6 +139,11 @@ def per_fault_rows(faults: list[str], report: dict, run: dict, run_dir: str,
     if f is None and spec.startswith("nan") and (found := rollback(run_dir, spec)):
       rows.append(rollback_row(spec, found, run, iteration_s))
       continue
+    refused = next((r for r in report.get("recovered_in_process") or ()
+                    if r.get("injected") == spec), None)
+    if f is None and refused is not None:
+      rows.append(refused_save_row(spec, refused, _marker(run_dir, spec) or {}))
+      continue
     if f is None:
       rows.append({"injected": spec, "kind": None, "detected": False, "phases": {}})
       continue
@@ -203,6 +208,20 @@ def rollback_row(spec: str, found: dict, run: dict, iteration_s: float) -> dict:
           "restore_span": restore,
           "phases": {"detection_s": detection, "restart_s": restart,
                      "replay_s": lost * iteration_s}}
+
+
+def refused_save_row(spec: str, refused: dict, marker: dict) -> dict:
+  """The row of a fault recovered in-process by dropping a save (an io_error; the driver's
+  `recovered_in_process` record): no restart and no replay; the refused save's stall is in the
+  checkpoint stalls, and detection (the folder turning read-only to the refusal reported)
+  is mostly the wait for the next save, while training went on."""
+  return {"injected": spec, "injected_step": marker.get("step"), "by": marker.get("by", "driver"),
+          "kind": refused["kind"], "rank": None, "ranks": refused.get("ranks"), "detected": True,
+          "recovered": f"in-process: the refused save (step {refused['step']}) was dropped, "
+          "training went on and the next save tried again; no process died, no restart",
+          "detail": refused.get("detail"), "detection_latency_s": refused["detection_latency_s"],
+          "refused_step": refused["step"], "restart_s": None, "steps_lost": 0,
+          "in_process": True, "phases": {}}
 
 
 def restart_phases(report: dict, run_dir: str) -> list[dict]:

@@ -24,7 +24,7 @@ record states the fault density (faults per hour) next to the rate.
 Recorded per fault: detection (injection to detection), diagnosis (self-check), restart
 (detection to the end of the first new step, without the self-check), replay (steps lost x the
 fault-free iteration time), how it was recovered (a job restart, or in the process: the NaN's
-rollback) and, for a slowdown, the measured extra step time while it lasted; per restart, its
+rollback, the io_error's refused save dropped) and, for a slowdown, the measured extra step time while it lasted; per restart, its
 seconds by phase (teardown, process start, restore, compile or cache load, first step).
 For the run: its wall time split into parts each measured on its own (start-up, training steps,
 checkpoint stalls and evaluations from rank 0's timeline, the faults' parts; what no part
@@ -187,7 +187,9 @@ def plot(per_fault: list[dict], figures: dict, path: str) -> None:
             + ("\n(found by a restart's\nself-check: no own cost)"
                if f["kind"] == "self_check_failed" else "")
             + ("\n(not flagged)" if f["kind"] == "not flagged" else "")
-            + ("\n(rolled back in-process)" if f.get("in_process") else "") for f in per_fault]
+            + ("\n(rolled back in-process)" if f.get("in_process") and f["kind"] == "nonfinite"
+               else "\n(save dropped in-process)" if f.get("in_process") else "")
+            for f in per_fault]
   bottom = [0.0] * len(per_fault)
   for phase in PHASES:
     values = [f["phases"].get(phase) or 0.0 for f in per_fault]

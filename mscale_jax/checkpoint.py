@@ -18,16 +18,20 @@ longer match their manifest (bit rot, a bad disk, a torn copy) is set aside into
 WORKDIR/checkpoints_corrupt/ with a warning, and the previous complete one becomes the latest:
 nothing is deleted, nothing corrupt is restored. A save that cannot be written (a read-only or
 full disk) raises `CheckpointWriteError` naming the step, the folder and the checkpoint that
-stays the latest; orbax's temporary folder never counts as a checkpoint.
+stays the latest; orbax's temporary folder never counts as a checkpoint, and `discard` removes
+it (at once, or before the next save where the folder still refuses changes). Every process
+agrees whether a save can start (`_agree`), so that none enters orbax's collective save alone.
 
 Every save's two stages are timed (MegaScale's two-stage checkpointing): `stall_s`, how long
 `save` held the training loop (device-to-host copy, and waiting for a previous save still being
 written), and `write_s`, how long the background write took after that. Restores are timed too.
 """
+import collections
 import dataclasses
 import glob
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -56,6 +60,13 @@ ITEMS = ("state", "data", "meta")
 class CheckpointWriteError(RuntimeError):
   """A checkpoint could not be written; the previous complete one stays the latest."""
 
+  def __init__(self, message: str, step: int | None = None):
+    super().__init__(message)
+    self.step = step
+
+
+TMP_MARK = ".orbax-checkpoint-tmp"   # orbax's temporary folder: STEP + TMP_MARK + suffix
+
 
 def set_aside_corrupt(directory: str) -> list[dict]:
   """Moves checkpoints under `directory` that fail their manifest, newest first until one holds,
@@ -73,6 +84,47 @@ def set_aside_corrupt(directory: str) -> list[dict]:
   return moved
 
 
+class _Barriers:
+  """Orbax's barriers between processes (its AsyncOptions.barrier_sync_fn), kept in
+  jax.distributed's key-value store so that a save whose commit fails lets the others go:
+  orbax's process 0, whose final rename fails, never reaches that save's last barrier, and the
+  others would wait there for minutes, holding their next save. A process that gave save `n`
+  up (`give_up`) counts as arrived at every barrier of save `n`; the others then find the
+  checkpoint missing themselves (Checkpointer.check)."""
+
+  made = 0   # instances so far: the same sequence in every process, so it names their keys
+
+  def __init__(self):
+    _Barriers.made += 1
+    self.prefix = f"mscale_checkpointer{_Barriers.made}"
+    self.uses = collections.Counter()   # each orbax key, numbered by use (the same everywhere)
+    self.save = 0                       # the save being written (Checkpointer._probes)
+    self._given_up: set[int] = set()
+
+  def __call__(self, *, key: str, timeout_ms: int) -> None:
+    client = ocp.multihost.get_jax_distributed_client()
+    self.uses[key] += 1
+    name, save = f"{self.prefix}/barrier/{key}/{self.uses[key]}/", self.save
+    client.key_value_set(f"{name}{jax.process_index()}", "1")
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+      arrived = {k.rsplit("/", 1)[1] for k, _ in client.key_value_dir_get(name)}
+      arrived |= {k.rsplit("/", 1)[1] for k, _ in
+                  client.key_value_dir_get(f"{self.prefix}/gave_up/{save}/")}
+      if len(arrived) >= jax.process_count():
+        return
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"barrier {key!r}: not every process came in {timeout_ms} ms")
+      time.sleep(0.01)
+
+  def give_up(self) -> None:
+    """This process will not finish the save being written."""
+    if self.save not in self._given_up:
+      self._given_up.add(self.save)
+      client = ocp.multihost.get_jax_distributed_client()
+      client.key_value_set(f"{self.prefix}/gave_up/{self.save}/{jax.process_index()}", "1")
+
+
 class Checkpointer:
   """Saves and restores train state, data-iterator state and model config under `directory`."""
 
@@ -84,6 +136,9 @@ class Checkpointer:
     self._lock = threading.Lock()
     self._stalled_until = None
     self._checked_step = None          # the newest save whose write was checked
+    self._refused: set[int] = set()    # refused saves whose temporary folder may remain
+    self._probes = 0                   # saves started (names the processes' agreement)
+    self._barriers = _Barriers() if jax.process_count() > 1 else None
     self.set_aside = self._check_newest()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
@@ -93,7 +148,8 @@ class Checkpointer:
         # save there (a failure in orbax's background mkdir leaves its threads waiting
         # minutes for a signal that never comes, holding the process at exit).
         async_options=(ocp.AsyncOptions(post_finalization_callback=self._written,
-                                        create_directories_asynchronously=False)
+                                        create_directories_asynchronously=False,
+                                        barrier_sync_fn=self._barriers)
                        if async_save else None))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=ITEMS)
@@ -120,10 +176,16 @@ class Checkpointer:
     `layer_layout` (pipeline stages, virtual stages) names the order of the stacked layers
     (`parallel.pipeline.layer_order`), so another layout can restore them. How long the loop
     was held (`stall_s`) and the background write took (`write_s`) go to `self.saves`.
+    A previous save still being written is waited for first: if it failed, its
+    CheckpointWriteError (its step) is raised and this one is not started.
     """
     start = time.perf_counter()
+    self.wait()
+    self._remove_refused()
     try:
-      self._can_write()
+      self._agree(self._can_write())
+      if self._barriers is not None:
+        self._barriers.save = self._probes
       self._save(step, state, data_state, config, layer_layout)
     except Exception as e:
       raise self._write_error(step, e) from e
@@ -135,22 +197,76 @@ class Checkpointer:
                          "write_s": None if self.async_save else 0.0})
       self._stalled_until = end
 
-  def _can_write(self) -> None:
-    """OSError now if the folder refuses a new file (read-only, full, gone), rather than from
-    orbax's background thread later."""
+  def _can_write(self) -> str:
+    """'' if the folder takes a new file, else why not (read-only, full, gone): found now
+    rather than in orbax's background thread later."""
     probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
-    with open(probe, "wb") as f:
-      f.write(b"0")
-    os.remove(probe)
+    try:
+      with open(probe, "wb") as f:
+        f.write(b"0")
+      os.remove(probe)
+    except OSError as e:
+      return f"{type(e).__name__}: {e}"
+    return ""
+
+  def _agree(self, problem: str) -> None:
+    """Raises OSError unless every process can write (`problem` is this one's, '' if none).
+
+    Orbax's save waits at barriers for every process, so a process that gave up alone would
+    leave its peers there; the answers go through jax.distributed's key-value store (no
+    compiled program)."""
+    self._probes += 1
+    if jax.process_count() > 1:
+      client = ocp.multihost.get_jax_distributed_client()
+      key = f"mscale_save_probe/{self._probes}"
+      client.key_value_set(f"{key}/{jax.process_index()}", problem or "ok")
+      answers = [client.blocking_key_value_get(f"{key}/{i}", 300_000)
+                 for i in range(jax.process_count())]
+      problem = next((f"process {i}: {a}" for i, a in enumerate(answers) if a != "ok"), "")
+    if problem:
+      raise OSError(problem)
+
+  def discard(self, step: int) -> None:
+    """Drops refused save `step`: its temporary folder goes (process 0, which renames it; now
+    or before the next save, where the directory still refuses changes), the previous
+    complete checkpoint stays the latest. (An old checkpoint orbax could not delete while the
+    directory refused changes stays, complete; orbax's list is not re-read: that takes a
+    barrier of every process, which may find the refusal steps apart.)"""
+    self._refused.add(step)
+    if self._barriers is not None:   # peers still waiting in its barriers go on
+      self._barriers.give_up()
+    self._remove_refused()
+
+  def _remove_refused(self) -> None:
+    if jax.process_index() != 0:
+      self._refused.clear()
+      return
+    for step in sorted(self._refused):
+      for path in glob.glob(os.path.join(self.directory, f"{step}{TMP_MARK}*")):
+        shutil.rmtree(path, ignore_errors=True)
+      if not glob.glob(os.path.join(self.directory, f"{step}{TMP_MARK}*")):
+        self._refused.discard(step)
 
   def _written(self) -> None:
-    """orbax's callback once the background write of the newest save is complete."""
+    """orbax's callback once the background write of the newest save is complete (process 0,
+    just before orbax renames its folder: if the directory refuses that, the save is given up
+    now, so that the other processes do not wait for its commit)."""
     with self._lock:
       if self.saves and self.saves[-1]["write_s"] is None:
         self.saves[-1]["write_s"] = time.perf_counter() - self._stalled_until
       step = self.saves[-1]["step"] if self.saves else None
-    if step is not None:
-      self._manifest(step)
+    if self._barriers is None:
+      if step is not None:
+        self._manifest(step)
+      return
+    try:
+      if step is not None:
+        self._manifest(step)
+    except BaseException:
+      self._barriers.give_up()
+      raise
+    if self._can_write():   # the rename orbax does next would fail
+      self._barriers.give_up()
 
   def _manifest(self, step: int) -> None:
     """Process 0 writes the checksum manifest of checkpoint `step` once its files are written:
@@ -159,7 +275,7 @@ class Checkpointer:
     the final folder."""
     if jax.process_index() != 0:
       return
-    pending = glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*"))
+    pending = glob.glob(os.path.join(self.directory, f"{step}{TMP_MARK}*"))
     final = os.path.join(self.directory, str(step))
     path = pending[0] if len(pending) == 1 else final if os.path.isdir(final) else None
     if path is not None:   # the items; orbax rewrites its own step metadata when committing
@@ -172,7 +288,7 @@ class Checkpointer:
     return CheckpointWriteError(
         f"{what} could not be written under {self.directory} ({type(error).__name__}: "
         f"{error}); the latest complete checkpoint is still step {latest}, "
-        f"intact: a restart resumes from it")
+        f"intact: a restart resumes from it", step)
 
   def _save(self, step: int, state, data_state: dict, config: Config,
             layer_layout: tuple[int, int]) -> None:
@@ -251,7 +367,8 @@ class Checkpointer:
     try:
       self._manager.check_for_errors()
     except Exception as e:
-      raise self._write_error(self._newest_save(), e) from e
+      self._checked_step = self._newest_save()   # reported once
+      raise self._write_error(self._checked_step, e) from e
     if not self._manager.is_saving_in_progress():
       self._check_newest_written()
 
@@ -260,7 +377,8 @@ class Checkpointer:
     try:
       self._manager.wait_until_finished()
     except Exception as e:
-      raise self._write_error(self._newest_save(), e) from e
+      self._checked_step = self._newest_save()   # reported once
+      raise self._write_error(self._checked_step, e) from e
     self._check_newest_written()
 
   def _newest_save(self) -> int | None:
@@ -284,6 +402,7 @@ class Checkpointer:
       self.wait()
     finally:
       self._manager.close()
+      self._remove_refused()
 
 
 def abstract_like(tree, shardings):

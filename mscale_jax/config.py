@@ -213,6 +213,9 @@ class TrainConfig:
   checkpoint_every: int = 50
   keep_checkpoints: int = 2
   async_checkpoint: bool = True
+  # A save the file system refuses (read-only, full) is dropped and training goes on; this many
+  # refused in a row stop the run (CheckpointWriteError), as every refusal did before.
+  max_refused_saves: int = 3
   # Before each save, check that replicated arrays hold the same bits on every replica
   # (mscale_jax/replicas.py); if not, the save is refused and the run stops.
   check_replicas: bool = True
@@ -347,7 +350,7 @@ def validate(config: Config, num_devices: int, *,
     raise ConfigError("data.heldout_fraction", d.heldout_fraction, "a fraction in (0, 1)")
   _choice("train.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
   for field in ("steps", "global_batch", "log_every", "eval_every", "eval_batches",
-                "checkpoint_every", "keep_checkpoints"):
+                "checkpoint_every", "keep_checkpoints", "max_refused_saves"):
     _positive(f"train.{field}", getattr(t, field))
   if t.steps <= o.warmup_steps:
     raise ConfigError("train.steps", t.steps,

@@ -426,5 +426,6 @@ class Trainer:
         "rollbacks": run.rollbacks,
         # Per save: seconds the loop was blocked, then seconds of background write.
         "checkpoint_saves": self.checkpointer.saves,
+        "refused_saves": run.refused_saves,   # dropped, training went on
         "restore_s": self.checkpointer.restore_s,
     }

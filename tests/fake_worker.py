@@ -9,7 +9,8 @@ a fatal log line and stays alive), hang (stops in its host phase; its peers wait
 straggle (its host phase takes most of every step), malformed (also posts broken heartbeats
 with the right token). Ranks step together (a file barrier stands in for the step's collective:
 a rank whose peer died waits), rank 0 writes WORKDIR/checkpoints/<step> every
-`checkpoint_every` steps, and a (re)started group resumes after the latest one.
+`checkpoint_every` steps (one the file system refuses is reported as a refused save, and the
+worker goes on), and a (re)started group resumes after the latest one.
 
   python tests/fake_worker.py driver OPTIONS_JSON   runs the real Driver on these workers
 """
@@ -87,7 +88,10 @@ def worker(workdir):
     barrier(workdir, attempt, step, rank)
     phases.completed.append([step, {"host": host_s, "sync": step_s - host_s}])
     if rank == 0 and step % plan.get("checkpoint_every", 10**9) == 0:
-      os.makedirs(os.path.join(workdir, "checkpoints", str(step)), exist_ok=True)
+      try:
+        os.makedirs(os.path.join(workdir, "checkpoints", str(step)), exist_ok=True)
+      except OSError as e:
+        client.recovered(events.SAVE_REFUSED, f"checkpoint step {step}: {e}", step=step)
     phases.now = ["host", step + 1, 0.0]
     if mine.get(step + 1) == "hang":
       time.sleep(1.0)   # its peers report this step first: it is not the least recent to advance
@@ -118,7 +122,9 @@ def _post_raw(client, body):
 
 def driver(options_json):
   from mscale_jax.resilience.driver.supervisor import Driver, DriverOptions
-  options = DriverOptions(**json.loads(options_json))
+  from mscale_jax.resilience.faults import parse_faults
+  options = json.loads(options_json)
+  options = DriverOptions(**dict(options, faults=tuple(parse_faults(options.get("faults")))))
   report = Driver(options).run()
   sys.exit(0 if report["completed"] else 1)
 

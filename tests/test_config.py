@@ -239,6 +239,12 @@ def test_from_dict_rejects_a_section_that_is_not_a_dict():
     Config.from_dict({"model": 3})
 
 
+@pytest.mark.parametrize("value", [0, -2])
+def test_max_refused_saves_is_at_least_one(value):
+  _raises(Config().replace(train={"max_refused_saves": value}), 8, "train.max_refused_saves",
+          value, "positive integer")
+
+
 def test_eval_and_checkpoint_fall_on_logged_steps():
   _raises(Config().replace(train={"log_every": 10, "eval_every": 25}), 8,
           "train.eval_every", 25, "train.log_every=10")

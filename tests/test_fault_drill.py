@@ -82,6 +82,28 @@ def test_a_nan_rolled_back_in_process_is_one_row_and_its_discarded_steps_count_o
   assert totals["first_new_steps_s"] == 0.5
 
 
+def test_an_io_error_recovered_in_process_is_one_row_without_restart(tmp_path):
+  """The driver's report lists the refused save apart from its failures (no restart): the row
+  says so, has no restart or replay, and where_time_went counts no restart for it."""
+  spec = "io_error:rank=0:step=30:seconds=0.0"
+  (tmp_path / "resilience" / "faults").mkdir(parents=True)
+  (tmp_path / "resilience" / "faults" / "0-io_error-driver.json").write_text(
+      json.dumps({"fault": spec, "rank": 0, "step": 31, "time": 150.0, "by": "driver"}))
+  refused = {"kind": "save_refused", "ranks": [0, 1], "attempt": 0, "step": 40,
+             "detail": "checkpoint step 40 could not be written ...", "injected": spec,
+             "detection_latency_s": 4.5}
+  report = {"attempts": [{"attempt": 0, "started": 95.0}], "failures": [], "wall_s": 60.0,
+            "recovered_in_process": [refused]}
+  run = {s: {"step": s, "time": 100.0 + s, "step_time_s": 1.0} for s in range(1, 51)}
+  (row,) = drill_accounting.per_fault_rows([spec], report, run, str(tmp_path), iteration_s=1.0)
+  assert row["in_process"] and row["detected"] and row["kind"] == "save_refused"
+  assert row["injected_step"] == 31 and row["refused_step"] == 40 and row["steps_lost"] == 0
+  assert row["restart_s"] is None and "no restart" in row["recovered"]
+  assert row["detection_latency_s"] == 4.5
+  split = drill_accounting.where_time_went(report, run, [row], str(tmp_path), iteration_s=1.0)
+  assert split["restart_s"] == split["detection_s"] == split["replayed_steps_s"] == 0
+
+
 def test_restart_phases_split_each_restart(tmp_path):
   """Detected at 50, the new group started at 51, its timeline at 55 (2 s of which the
   self-check), restore 55-56, compile 56-59, first step ended at 60 (9 s after the start)."""

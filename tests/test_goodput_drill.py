@@ -154,6 +154,17 @@ def test_faults_are_placed_where_they_struck(tmp_path):
   assert drill.predict(case).lost == (3, 4)
 
 
+def test_a_save_refused_in_process_is_listed_as_unplaced_with_why(tmp_path):
+  figures = _figures(faults=[
+      {"injected": "io_error:rank=0:step=30:seconds=0.0", "injected_step": 31, "by": "driver",
+       "kind": "save_refused", "detection_latency_s": 4.5, "restart_s": None, "steps_lost": 0,
+       "in_process": True, "phases": {}}])
+  case = drill.read_case(_record(tmp_path, "r", figures, command="--checkpoint_every=5"))
+  assert case.faults == ()
+  ((what, why),) = case.unplaced
+  assert "io_error" in what and "recovered in the process" in why
+
+
 def _driver_fault(spec, step, restore, lost):
   return {"injected": spec, "injected_step": step, "by": "driver", "kind": "exited",
           "detection_latency_s": 1.0, "restart_s": 4.0, "restore_step": restore,

@@ -57,6 +57,10 @@ WRONG_TYPES = [("rank", "0"), ("rank", 1.5), ("rank", True), ("rank", None), ("p
                ("where", [1, 2, 3]), ("host_metrics", {"probe_ms": 1.0}),
                ("host_metrics", {"probe_ms": "x", "rss_mb": 1.0}), ("attempt", -1),
                ("step", 10**30), ("slot", 2**64), ("nonfinite_steps", -5),
+               ("recovered", "one"), ("recovered", [{"kind": "meteor", "detail": "x",
+                                                     "step": 4, "time": 1.0, "seq": 1}]),
+               ("recovered", [{"kind": "save_refused", "detail": "x", "step": 4,
+                               "time": 1.0, "seq": 0}]),
                ("step_time_s", 10**400), ("loss", -10**300), ("time", True),
                ("step_phases", [[1, {"host": 10**400}]]),
                ("host_metrics", {"probe_ms": 10**400, "rss_mb": 1.0})]

@@ -27,10 +27,13 @@ def logged_steps(workdir) -> list[int]:
 def test_stop_io_error_and_a_corrupt_checkpoint_are_recovered(tmp_path):
   """  0  rank 1 is stopped (SIGSTOP) at step 3: a hang, blamed on rank 1
        1  the checkpoint folder turns read-only once both ranks reached step 5: the next save
-          fails, clearly (step 8's, or step 12's if 8's had begun: the driver acts from
-          outside, on heartbeats half a second apart, so where between saves it lands varies)
+          is refused (step 8's, or step 12's if 8's had begun: the driver acts from outside, on
+          heartbeats half a second apart, so where between saves it lands varies); both ranks
+          drop it and train on, the driver hears of it and makes the folder writable again: no
+          restart
        2  at step 14 the newest checkpoint is corrupted on disk and rank 0 killed
-       3  the restart finds the checksum wrong, sets it aside, restores the one before; completes
+       3  the restart finds the checksum wrong, sets it aside, restores the one before (not the
+          refused one); completes
   """
   result = job.run(str(tmp_path), [*FLAGS, "--fault=stop:rank=1:step=3",
                                    "--fault=io_error:step=5",
@@ -39,22 +42,26 @@ def test_stop_io_error_and_a_corrupt_checkpoint_are_recovered(tmp_path):
   assert not result.timed_out and not result.leftovers, result.tail()
   report = result.report
   assert result.status == 0 and report["completed"], result.tail()
-  assert len(report["failures"]) == 3, (report["failures"], result.tail())
-  stop, io, corrupt = report["failures"]
+  assert len(report["failures"]) == 2, (report["failures"], result.tail())
+  stop, corrupt = report["failures"]
   assert stop["injected"] == "stop:rank=1:step=3" and stop["rank"] == 1, stop
-  assert io["injected"] == "io_error:rank=0:step=5:seconds=0.0"
-  assert io["kind"] == "exception" and "CheckpointWriteError" in io["detail"], io
-  assert io["restore_step"] in (4, 8), io
-  assert f"checkpoint step {io['restore_step'] + 4} could not be written" in io["detail"], io
-  assert f"latest complete checkpoint is still step {io['restore_step']}" in io["detail"], io
+  (io,) = report["recovered_in_process"]
+  assert io["injected"] == "io_error:rank=0:step=5:seconds=0.0", io
+  assert io["kind"] == "save_refused" and sorted(io["ranks"]) == [0, 1], io
+  assert io["step"] in (8, 12) and io["attempt"] == stop["attempt"] + 1, io
+  assert f"checkpoint step {io['step']} could not be written" in io["detail"], io
+  assert f"latest complete checkpoint is still step {io['step'] - 4}" in io["detail"], io
+  assert corrupt["attempt"] == io["attempt"], (corrupt, io)   # no restart in between
   assert corrupt["injected"] == "corrupt_checkpoint:rank=0:step=14"
   assert (corrupt["kind"], corrupt["rank"]) == ("exited", 0)
   # The newest checkpoint with a manifest when the fault fired (12, or 8 if 12's background
-  # write was still going) fails its checksum: the restart restores the one before it.
+  # write was still going) fails its checksum: the restart restores the one before it, the
+  # refused save being none.
   marker = json.loads((tmp_path / "resilience" / "faults" /
                        "2-corrupt_checkpoint-driver.json").read_text())
   corrupted = int(marker["checkpoint"])
-  assert corrupt["restore_step"] == corrupted - 4
+  assert corrupted != io["step"]
+  assert corrupt["restore_step"] == max(s for s in (4, 8) if s < corrupted and s != io["step"])
   aside = os.listdir(tmp_path / "checkpoints_corrupt")
   assert len(aside) == 1 and aside[0].startswith(f"{corrupted}-")
   logs = "".join(open(tmp_path / "logs" / f"attempt{report['attempts'][-1]['attempt']}"

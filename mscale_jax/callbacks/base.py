@@ -15,6 +15,9 @@ them:
   on_step_checked(run, checked)      a step's result is on the host (one step late): `Checked`
   on_log(run, record)                a logged step's record (metrics.jsonl's line)
   on_save(run, step)                 step `step` is to be checkpointed (its result is checked)
+  on_save_refused(run, step, error)  the file system refused save `step` (CheckpointWriteError);
+                                     it was dropped and training goes on (callbacks/
+                                     checkpointing.py)
   on_rewind(run, step)               the run went back to step `step` (a rollback)
   on_error(run, error)               the run is failing with `error` (before any cleanup)
   on_loop_end(run)                   always, at the end: close what you opened
@@ -53,6 +56,7 @@ class Callback:
   def on_step_checked(self, run: "Run", checked: Checked) -> None: ...
   def on_log(self, run: "Run", record: dict) -> None: ...
   def on_save(self, run: "Run", step: int) -> None: ...
+  def on_save_refused(self, run: "Run", step: int | None, error: Exception) -> None: ...
   def on_rewind(self, run: "Run", step: int) -> None: ...
   def on_error(self, run: "Run", error: BaseException) -> None: ...
   def on_loop_end(self, run: "Run") -> None: ...
@@ -114,6 +118,7 @@ class Run:
   timed: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (steps, s)
   nonfinite_steps: list[int] = dataclasses.field(default_factory=list)
   rollbacks: int = 0
+  refused_saves: list[dict] = dataclasses.field(default_factory=list)  # {step, error, time}
   rewinds: int = 0
   interval_start: float = 0.0  # throughput: the logged interval began then,
   interval_steps: int = 0      # and has this many steps so far

@@ -18,8 +18,8 @@ from mscale_jax.resilience.worker.faults import (FaultInjector, bad_slot_marker,
 
 
 class Heartbeats(Callback):
-  """Feeds a `HeartbeatClient`: the coarse phase, each checked step, rollbacks, and this
-  worker's own failure (a non-finite stop or an exception) before it exits."""
+  """Feeds a `HeartbeatClient`: the coarse phase, each checked step, rollbacks, refused saves,
+  and this worker's own failure (a non-finite stop or an exception) before it exits."""
 
   def __init__(self, client):
     self.client = client
@@ -41,6 +41,9 @@ class Heartbeats(Callback):
 
   def on_rewind(self, run, step):
     self.client.rewind(step)
+
+  def on_save_refused(self, run, step, error):
+    self.client.recovered(events.SAVE_REFUSED, str(error), step=step)
 
   def on_error(self, run, error):
     if isinstance(error, NonFiniteError):

@@ -22,7 +22,8 @@ time, a record measured against the same reference run (same reference workdir a
 time) lends it; without a reference, records measuring evaluations directly (a 'where_time_went'
 key naming them) use those. Faults that slow the job rather than stop it (contend) and faults
 found only by a later self-check (a bad slot that no save's replica check met first) have no
-restart of their own: they are listed as unplaced.
+restart of their own, nor do refused saves recovered in the process (an io_error since
+train.max_refused_saves): they are listed as unplaced.
 
 The reader is tolerant: fields it does not know are ignored, missing optional ones fall back as
 documented in `read_case`, a fault it cannot place or cost is listed in `DrillCase.unplaced`
@@ -167,6 +168,9 @@ def _fault(fault: dict, iteration_s: float):
                     "restart: its cost is in that restart")
     if _phase(fault, "slowdown_s") is not None:
       return None, "slowed the job, no restart: its slowdown is in the run's step times"
+    if fault.get("in_process"):
+      return None, ("recovered in the process (a refused save dropped, training went on): no "
+                    "restart to simulate; its cost is in the run's own time")
     return None, "no detection or restart time recorded (no restart to simulate)"
   name = str(fault.get("kind") or spec_kind(fault))
   # Nothing lost though it struck on a save step: that save was written before it struck (a

@@ -29,6 +29,13 @@ REPLICA_DIVERGENCE = "replica_divergence"   # replicas disagreed before a save (
 FAILURE_KINDS = (EXITED, HANG, NONFINITE, EXCEPTION, FATAL_LOG, STRAGGLER, SELF_CHECK_FAILED,
                  DRIVER_LOST, REPLICA_DIVERGENCE)
 
+# Failures a worker recovers from in its own process, reported in its heartbeats
+# (Heartbeat.recovered) and counted in the driver's report; no restart.
+SAVE_REFUSED = "save_refused"   # the file system refused a checkpoint; dropped, training went on
+RECOVERED_KINDS = (SAVE_REFUSED,)
+# A heartbeat carries its worker's last this many of them.
+MAX_RECOVERED = 10
+
 # Exit statuses of experiments.train beyond 0 (done), 1 (exception) and 2 (bad input).
 EXIT_NONFINITE = 3
 EXIT_SELF_CHECK_FAILED = 4
@@ -88,6 +95,9 @@ class Heartbeat:
   time: float = dataclasses.field(default_factory=time.time)
   log_tail: list[str] = dataclasses.field(default_factory=list)
   failure: dict[str, Any] | None = None
+  # Failures this worker recovered from in its process, its last MAX_RECOVERED:
+  # [{kind, step, detail, time, seq}], seq counting them from 1 (the driver reads each once).
+  recovered: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   # Observability (observability/: phases, straggler, hang): each loop iteration's phase seconds
   # since the previous heartbeat [[step, {phase: s}], ...], where the loop is now
   # [phase, step, seconds in it], and host probes {probe_ms, cpu_frac, rss_mb}.

@@ -34,7 +34,8 @@ Faults of the operating system, injected from outside the training processes by 
   io_error           rank (0), step, seconds (0)   the checkpoint directory turns read-only
                                                    (chattr +i as root, chmod otherwise) for
                                                    `seconds` (0: until the failure it causes is
-                                                   detected): the next save fails
+                                                   detected): the next save is refused, dropped
+                                                   in the process (train.max_refused_saves)
   kill_driver        step                          SIGKILL the driver itself; running the same
                                                    launch command again resumes the job
   kill_coordinator   step                          SIGKILL process 0 (the jax.distributed

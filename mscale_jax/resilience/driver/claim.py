@@ -123,13 +123,14 @@ def last_logged_step(workdir: str) -> int:
   return last
 
 
-def fired_since(state_dir: str, since: float) -> dict | None:
-  """The newest fault marker written since `since` (an injected fault's when and where)."""
+def fired_since(state_dir: str, since: float, kind: str = "") -> dict | None:
+  """The newest fault marker written since `since` (an injected fault's when and where), of
+  a fault of kind `kind` if given."""
   markers = []
   for path in glob.glob(os.path.join(state_dir, "faults", "*.json")):
     with open(path) as f:
       marker = json.load(f)
-    if marker["time"] >= since:
+    if marker["time"] >= since and (not kind or marker["fault"].split(":")[0] == kind):
       markers.append(marker)
   return max(markers, key=lambda m: m["time"], default=None)
 

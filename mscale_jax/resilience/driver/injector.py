@@ -46,7 +46,8 @@ class OsInjector:
   """Fires the driver-injected OS faults of `faults` on the current worker group.
 
   `state_dir` is WORKDIR/resilience; `say` prints a driver line. Call `poll` from the driver's
-  supervision loop and `failure_detected` when the driver has detected a failure; `close` undoes
+  supervision loop and `failure_detected` when the driver has detected a failure or heard of one
+  a worker recovered from (a refused save: driver/recovered.py); `close` undoes
   what is still in effect (a busy process, a read-only directory, pinned cores).
   """
 

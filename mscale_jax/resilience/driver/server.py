@@ -95,6 +95,13 @@ def _check_ranges(obj: dict, num_ranks: int | None) -> None:
         not 0 <= (failure.get("rank") or 0) < (num_ranks or MAX_COUNT):
       bad("failure", f"{{'kind': one of {events.FAILURE_KINDS}, 'detail': str, "
                      f"'step': int >= 0 or null, 'rank': a rank of the group or null}}")
+  for item in obj.get("recovered") or ():
+    if not (item.get("kind") in events.RECOVERED_KINDS and isinstance(item.get("detail"), str)
+            and _conforms(item.get("step"), int | None) and _conforms(item.get("seq"), int)
+            and 0 <= (item.get("step") or 0) < MAX_COUNT and 0 < item["seq"] < MAX_COUNT
+            and _conforms(item.get("time"), float) and math.isfinite(item["time"])):
+      bad("recovered", f"[{{'kind': one of {events.RECOVERED_KINDS}, 'detail': str, "
+                       f"'step': int >= 0 or null, 'time': number, 'seq': int > 0}}, ...]")
   for item in obj.get("step_phases") or ():
     if not (isinstance(item, list) and len(item) == 2 and _conforms(item[0], int)
             and 0 <= item[0] < MAX_COUNT and _conforms(item[1], dict[str, float])

@@ -23,8 +23,8 @@ self-checks (resilience/worker/selfcheck.py) on its slots; if a slot fails them,
 and the driver starts it again without that slot (a spare takes its place; without spares the
 job shrinks and the `data` mesh axis with it). A group that passes resumes from the latest
 complete checkpoint with the same global batches. A failure that repeats at the same step, or a
-bad configuration (a worker exits with status 2), ends the job. Everything lands in
-WORKDIR/resilience/report.json.
+bad configuration (a worker exits with status 2), ends the job. A save a worker saw refused and
+went on from costs no restart (recovered.py). Everything lands in WORKDIR/resilience/report.json.
 """
 import dataclasses
 import itertools
@@ -42,6 +42,7 @@ from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
 from mscale_jax.resilience.driver import blame, claim
 from mscale_jax.resilience.driver.injector import OsInjector, group_step
+from mscale_jax.resilience.driver.recovered import RecoveredLog
 from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
 from mscale_jax.resilience.faults import WORKER, Fault
@@ -128,6 +129,7 @@ class Driver:
     self.attempts: list[dict] = []
     self._group: _Group | None = None
     self.injector = OsInjector(options.faults, self.state_dir, self.say)
+    self.recovered = RecoveredLog(self.state_dir, self.injector, self.say)
     self._step_times: list[float] = []
     self.token = options.heartbeat_token or secrets.token_urlsafe(32)
     self.observer = Observer(self.workdir, self.say, policy=options.straggler_policy,
@@ -219,6 +221,7 @@ class Driver:
     ended = claim.end_leftover_workers(previous)
     self._started = previous["started"]
     self.attempts, self.failures = previous["attempts"], previous["failures"]
+    self.recovered.records = previous.get("recovered_in_process", [])
     self.excluded = {int(k): v for k, v in previous["excluded"].items()}
     self.observer.flags[:0] = previous.get("straggler_flags", [])
     self.observer.hangs[:0] = previous.get("hang_localisations", [])
@@ -238,8 +241,9 @@ class Driver:
         "group": g and {"attempt": g.attempt, "slots": g.slots, "started": g.started},
         "started": self._started, "outcome": outcome, "restarts": self._restarts,
         "attempts": self.attempts, "failures": self.failures, "excluded": self.excluded,
-        # What the observer found, so a report written by a later driver still has it.
-        "straggler_flags": self.observer.flags, "hang_localisations": self.observer.hangs})
+        # What the observer found, and what was recovered in-process, for a later driver's report.
+        "straggler_flags": self.observer.flags, "hang_localisations": self.observer.hangs,
+        "recovered_in_process": self.recovered.records})
 
   def watch(self, attempt: int) -> dict:
     """Cluster mode: the scheduler started the workers; only their heartbeats are watched.
@@ -362,6 +366,7 @@ class Driver:
     codes = [p.poll() for p in group.procs]
     beats = self._beats(group)
     self._note_progress(group, beats)
+    self.recovered.note(group, beats)
     self.injector.poll(group.procs, group_step(beats, len(group.slots)))
     # Strongest evidence first (blame.py): a killed worker (its peers' errors follow from it),
     # what workers said about themselves, other exits, fatal log lines; then stragglers, hangs.
@@ -505,8 +510,8 @@ class Driver:
               # MegaScale's effective training time rate: iterations x iteration time / wall
               # time (iteration time: the median step time heartbeats reported).
               "effective_training_time_rate": steps * step_time / wall_s if step_time else None,
-              "failures": self.failures, "excluded_slots": self.excluded,
-              "rejected_requests": dict(self.server.rejections),
+              "failures": self.failures, "recovered_in_process": self.recovered.records,
+              "excluded_slots": self.excluded, "rejected_requests": dict(self.server.rejections),
               "attempts": self.attempts, "observability": self.observer.summary()}
     path = os.path.join(self.state_dir, name)
     write_json(path, report, indent=2, default=str)

@@ -172,6 +172,15 @@ class HeartbeatClient:
     with self._lock:
       self.beat.nonfinite_steps += 1
 
+  def recovered(self, kind: str, detail: str, step: int | None = None) -> None:
+    """This worker recovered from a failure in its process (events.RECOVERED_KINDS), e.g. a
+    refused save; reported at once and in the heartbeats after."""
+    with self._lock:
+      seq = self.beat.recovered[-1]["seq"] + 1 if self.beat.recovered else 1
+      self.beat.recovered = self.beat.recovered[-(events.MAX_RECOVERED - 1):] + [
+          {"kind": kind, "step": step, "detail": detail[:1000], "time": time.time(), "seq": seq}]
+    self._wake.set()
+
   def failure(self, kind: str, detail: str, step: int | None = None,
               at_fault: int | None = None) -> None:
     """Reports this worker's failure right away (it is about to exit); `at_fault`: the rank

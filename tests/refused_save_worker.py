@@ -1,0 +1,66 @@
+"""One process of tests/test_refused_saves.py's two-process save (not a test itself): saves step
+4, then step 8, whose commit process 0 refuses (the folder turns read-only from orbax's thread
+just before the rename); then, writable again, step 12. Prints what each process saw as JSON.
+
+  MSCALE_COORDINATOR=host:port MSCALE_NUM_PROCESSES=2 MSCALE_PROCESS_ID=i \\
+      python tests/refused_save_worker.py DIRECTORY
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mscale_jax.resilience.worker.distributed import initialize_distributed  # noqa: E402
+
+initialize_distributed()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from mscale_jax.checkpoint import Checkpointer, CheckpointWriteError  # noqa: E402
+from mscale_jax.config import Config  # noqa: E402
+from mscale_jax.files import checkpoint_steps  # noqa: E402
+from mscale_jax.resilience.driver import injector  # noqa: E402
+
+directory = sys.argv[1]
+import faulthandler  # noqa: E402
+faulthandler.dump_traceback_later(float(os.environ.get("DUMP_AFTER", "1e9")), exit=True)
+mesh = Mesh(np.array(jax.devices()), ("d",))
+
+
+def state(step):
+  values = np.random.default_rng(step).normal(size=(8, 4)).astype(np.float32)
+  return {"w": jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("d")),
+                                            lambda index: values[index])}
+
+
+checkpointer = Checkpointer(directory, keep=3)
+checkpointer.save(4, state(4), {"position": 4}, Config())
+checkpointer.wait()
+manifest = checkpointer._manifest
+
+
+def manifest_then_refuse(step):   # process 0, orbax's thread, just before the commit's rename
+  manifest(step)
+  if step == 8:
+    injector.make_read_only(directory)
+
+
+checkpointer._manifest = manifest_then_refuse
+checkpointer.save(8, state(8), {"position": 8}, Config())
+try:
+  checkpointer.wait()
+  refused = None
+except CheckpointWriteError as error:
+  refused = error.step
+  checkpointer.discard(error.step)
+if jax.process_index() == 0:   # as the driver does once the refusal is reported
+  injector.make_writable(directory)
+ocp.multihost.get_jax_distributed_client().wait_at_barrier("writable again", 60_000)
+checkpointer.save(12, state(12), {"position": 12}, Config())
+checkpointer.close()
+print(json.dumps({"rank": jax.process_index(), "refused": refused,
+                  "steps": checkpoint_steps(directory), "left": sorted(os.listdir(directory))}))

@@ -1,0 +1,144 @@
+"""A checkpoint save the operating system refuses (callbacks/checkpointing.py): the directory
+turns read-only under a real training run (the immutable attribute as root, as the io_error
+fault does; no write permission otherwise), in the save itself or while its background write is
+being committed. The refused save is dropped whole, training goes on as it would have and the
+next save tries again; `train.max_refused_saves` refusals in a row stop the run."""
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from mscale_jax.callbacks import Callback
+from mscale_jax.checkpoint import TMP_MARK, CheckpointWriteError
+from mscale_jax.files import checkpoint_steps, verify_manifest
+from mscale_jax.resilience.driver import injector
+from mscale_jax.train import Trainer
+
+pytestmark = pytest.mark.slow   # real training runs
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "refused_save_worker.py")
+
+
+class ReadOnly(Callback):
+  """Makes the checkpoint folder read-only before the steps `read_only_at` and writable again
+  before the steps `writable_at`; `refuse_commit`: step whose background write is refused just
+  before orbax renames it (the folder turns read-only from orbax's own thread, and writable
+  again once the refusal is reported, as the driver's io_error fault does). Records each
+  refused save and what was the latest checkpoint then."""
+
+  def __init__(self, read_only_at=(), writable_at=(), refuse_commit=None):
+    self.read_only_at, self.writable_at = read_only_at, writable_at
+    self.refuse_commit = refuse_commit
+    self.refused = []
+
+  def on_loop_start(self, run):
+    self.directory = run.trainer.checkpointer.directory
+    if self.refuse_commit is not None:
+      checkpointer = run.trainer.checkpointer
+      manifest = checkpointer._manifest
+
+      def manifest_then_refuse(step):   # orbax's thread, just before the commit's rename
+        manifest(step)
+        if step == self.refuse_commit:
+          injector.make_read_only(self.directory)
+      checkpointer._manifest = manifest_then_refuse
+
+  def on_step_start(self, run, step):
+    if step in self.read_only_at:   # between saves: the one before is committed first
+      run.trainer.checkpointer._manager.wait_until_finished()
+      injector.make_read_only(self.directory)
+    if step in self.writable_at:
+      injector.make_writable(self.directory)
+
+  def on_save_refused(self, run, step, error):
+    self.refused.append((step, run.trainer.checkpointer.latest_step(), str(error)))
+    if step == self.refuse_commit:
+      injector.make_writable(self.directory)
+
+
+def _config(tiny_config, **train):
+  return tiny_config(train=dict(dict(steps=12, global_batch=4, log_every=1, eval_every=12,
+                                     checkpoint_every=2), **train))
+
+
+def _losses(workdir) -> list[tuple[int, float]]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+
+
+def test_refused_saves_are_dropped_and_training_goes_on(tiny_config, tmp_path):
+  clean = Trainer(_config(tiny_config), str(tmp_path / "clean"), show_progress=False)
+  clean.train()
+  # Step 6's save is refused at once (read-only for steps 5-6); step 8's is refused while its
+  # background write commits, found at a later step or at the next save.
+  faulty = ReadOnly(read_only_at=(5,), writable_at=(7,), refuse_commit=8)
+  trainer = Trainer(_config(tiny_config), str(tmp_path / "faulty"), show_progress=False,
+                    callbacks=[faulty])
+  try:
+    summary = trainer.train()
+  finally:
+    injector.make_writable(str(tmp_path / "faulty" / "checkpoints"))
+  assert [(step, latest) for step, latest, _ in faulty.refused] == [(6, 4), (8, 4)]
+  (_, _, at_once), (_, _, behind) = faulty.refused
+  assert "checkpoint step 6 could not be written" in at_once and "write-probe" in at_once
+  assert "checkpoint step 8 could not be written" in behind and "write-probe" not in behind
+  assert [r["step"] for r in summary["refused_saves"]] == [6, 8]
+  # The saves after them went through; no half checkpoint was left behind (orbax may keep an
+  # old one it could not delete while the folder refused changes: complete, never the latest).
+  directory = str(tmp_path / "faulty" / "checkpoints")
+  assert checkpoint_steps(directory)[:2] == [12, 10]
+  assert set(checkpoint_steps(directory)) <= {12, 10, 4, 2}
+  assert all(verify_manifest(os.path.join(directory, str(s))) is None
+             for s in checkpoint_steps(directory))
+  assert glob.glob(os.path.join(directory, f"*{TMP_MARK}*")) == []
+  # Every step logged once, with the loss of the run that met no refusal.
+  assert _losses(tmp_path / "faulty") == _losses(tmp_path / "clean")
+  assert [s for s, _ in _losses(tmp_path / "faulty")] == list(range(1, 13))
+
+
+def test_max_refused_saves_in_a_row_stop_the_run(tiny_config, tmp_path):
+  faulty = ReadOnly(read_only_at=(3,))
+  trainer = Trainer(_config(tiny_config, max_refused_saves=2), str(tmp_path),
+                    show_progress=False, callbacks=[faulty])
+  directory = str(tmp_path / "checkpoints")
+  try:
+    with pytest.raises(CheckpointWriteError, match="checkpoint step 6 could not be written"):
+      trainer.train()
+  finally:
+    injector.make_writable(directory)
+  assert [(step, latest) for step, latest, _ in faulty.refused] == [(4, 2)]
+  assert checkpoint_steps(directory) == [2]
+  assert [s for s, _ in _losses(tmp_path)] == list(range(1, 7))
+
+
+def test_two_processes_both_drop_a_save_whose_commit_process_0_could_not_make(tmp_path):
+  """Two JAX processes (jax.distributed) save into one folder; it turns read-only just before
+  process 0 renames step 8's folder (tests/refused_save_worker.py). Process 1, waiting for that
+  commit at orbax's barrier, is let go instead of waiting minutes; both report step 8 refused
+  and step 12 is written by both."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MSCALE_NUM_PROCESSES="2",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             MSCALE_COORDINATOR=f"127.0.0.1:{port}", DUMP_AFTER="150")
+  directory = str(tmp_path / "checkpoints")
+  procs = [subprocess.Popen([sys.executable, WORKER, directory], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=dict(env, MSCALE_PROCESS_ID=str(rank)))
+           for rank in range(2)]
+  try:
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+    injector.make_writable(directory)
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+  seen = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
+  assert [s["refused"] for s in seen] == [8, 8], seen
+  assert checkpoint_steps(directory) == [12, 4]
+  assert sorted(os.listdir(directory)) == ["12", "4"]   # no temporary folder left
