@@ -119,6 +119,39 @@ def test_a_refused_save_costs_no_restart_and_ends_the_io_error(tmp_path):
   assert f"recovered in the process: save_refused at step {refused['step']}" in output
 
 
+def test_a_refused_save_is_in_the_drivers_state_at_once(tmp_path):
+  """A record of a save recovered in the process reaches the driver's state file
+  (resilience/driver.json) as soon as the driver hears of it, not at the next restart: a driver
+  killed later (kill_driver) is resumed from that file, and its report must still list it
+  (a fault drill lost its io_error row this way)."""
+  options = {"worker_command": [sys.executable, FAKE], "workdir": str(tmp_path),
+             "num_processes": 2, "devices_per_process": 1, "heartbeat_s": 0.2,
+             "hang_timeout_s": 5.0, "hang_step_factor": 1.0, "startup_timeout_s": 30.0,
+             "standby": False, "self_check": False, "status_every_s": 0, "poll_s": 0.05,
+             "faults": ["io_error:step=2"]}
+  env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", FAKE_PLAN=json.dumps(
+      {"steps": 60, "step_s": 0.15, "checkpoint_every": 4}))
+  proc = subprocess.Popen([sys.executable, FAKE, "driver", json.dumps(options)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  lines = []
+  try:
+    for line in proc.stdout:   # the driver's lines, until it says it recorded the refusal
+      lines.append(line)
+      if line.startswith("[driver] recovered in the process"):
+        break
+    assert lines and lines[-1].startswith("[driver] recovered"), "".join(lines)[-2000:]
+    from mscale_jax.resilience.driver import claim
+    state = claim.read(str(tmp_path / "resilience"))
+    assert state["outcome"] is None   # the job is still running
+    (refused,) = state["recovered_in_process"]
+    assert refused["kind"] == "save_refused" and refused["injected"].startswith("io_error")
+  finally:
+    for pid in job.session_processes(proc.pid):   # the driver and its workers' groups
+      os.kill(pid, signal.SIGKILL)
+    proc.communicate()
+
+
 def test_malformed_heartbeats_from_a_worker_cost_nothing(tmp_path):
   plan = {"misbehave": misbehave((0, 1, "every", "malformed"))}
   status, report, output = drive(tmp_path, plan)

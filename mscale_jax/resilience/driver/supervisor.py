@@ -349,10 +349,10 @@ class Driver:
       if all(p.poll() == 0 for p in group.procs):
         self._note_progress(group, self._beats(group))   # the last step, sent before exiting
         return None
-      flags = len(self.observer.flags)
+      marks = len(self.observer.flags) + len(self.recovered.records)
       failure = self._poll(group)
-      if len(self.observer.flags) > flags:
-        self._claim(group.procs)   # a straggler flag outlives this driver
+      if len(self.observer.flags) + len(self.recovered.records) > marks:
+        self._claim(group.procs)   # a straggler flag or a recovered save outlives this driver
       if group.first_step_at is not None:
         self.pool.fill()   # standbys for the next restart, once this group's start is done
       if failure is not None:
