@@ -363,23 +363,33 @@ class Checkpointer:
     return state
 
   def check(self) -> None:
-    """Raises CheckpointWriteError if a background write has failed since the last call."""
+    """Raises CheckpointWriteError if a background write has failed since the last call
+    (each failed save once, whichever of `check` and `wait` finds it first)."""
     try:
       self._manager.check_for_errors()
     except Exception as e:
-      self._checked_step = self._newest_save()   # reported once
-      raise self._write_error(self._checked_step, e) from e
+      self._report_failed(e)
     if not self._manager.is_saving_in_progress():
       self._check_newest_written()
 
   def wait(self) -> None:
-    """Blocks until every started save is on disk (CheckpointWriteError if one failed)."""
+    """Blocks until every started save is on disk (CheckpointWriteError if one failed and
+    was not reported yet)."""
     try:
       self._manager.wait_until_finished()
     except Exception as e:
-      self._checked_step = self._newest_save()   # reported once
-      raise self._write_error(self._checked_step, e) from e
+      self._report_failed(e)
     self._check_newest_written()
+
+  def _report_failed(self, error: Exception) -> None:
+    """Raises orbax's `error` for the newest save, unless that save was reported already:
+    orbax's finalizing thread raises its error again in the first `wait` after a `check`
+    that found the checkpoint missing."""
+    step = self._newest_save()
+    if step is not None and step == self._checked_step:
+      return
+    self._checked_step = step
+    raise self._write_error(step, error) from error
 
   def _newest_save(self) -> int | None:
     return self.saves[-1]["step"] if self.saves else None
