@@ -167,7 +167,7 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or None (half-written ones do not count)."""
-    return self._manager.latest_step()
+    return next(iter(reversed(self.all_steps())), None)
 
   def save(self, step: int, state, data_state: dict, config: Config, *,
            layer_layout: tuple[int, int] = (1, 1)) -> None:
@@ -231,7 +231,8 @@ class Checkpointer:
     or before the next save, where the directory still refuses changes), the previous
     complete checkpoint stays the latest. (An old checkpoint orbax could not delete while the
     directory refused changes stays, complete; orbax's list is not re-read: that takes a
-    barrier of every process, which may find the refusal steps apart.)"""
+    barrier of every process, which may find the refusal steps apart. `all_steps` and
+    `latest_step` list only the steps on disk.)"""
     self._refused.add(step)
     if self._barriers is not None:   # peers still waiting in its barriers go on
       self._barriers.give_up()
@@ -328,8 +329,11 @@ class Checkpointer:
                           f"--workdir")
 
   def all_steps(self) -> list[int]:
-    """Steps of the complete checkpoints, oldest first."""
-    return sorted(self._manager.all_steps())
+    """Steps of the complete checkpoints, oldest first: orbax's list, less the steps not on
+    disk (still being written, or refused: a process other than 0 keeps a save whose commit
+    process 0 refused in orbax's list, which is not re-read, see `discard`)."""
+    on_disk = set(checkpoint_steps(self.directory))
+    return sorted(s for s in self._manager.all_steps() if s in on_disk)
 
   def restore_meta(self, step: int) -> dict:
     """The configs saved with `step`: {'model', 'optimizer', 'train_steps'} (and 'data')."""

@@ -57,10 +57,12 @@ try:
 except CheckpointWriteError as error:
   refused = error.step
   checkpointer.discard(error.step)
+latest_after_refusal = checkpointer.latest_step()   # step 8 is in orbax's list on process 1
 if jax.process_index() == 0:   # as the driver does once the refusal is reported
   injector.make_writable(directory)
 ocp.multihost.get_jax_distributed_client().wait_at_barrier("writable again", 60_000)
 checkpointer.save(12, state(12), {"position": 12}, Config())
 checkpointer.close()
 print(json.dumps({"rank": jax.process_index(), "refused": refused,
+                  "latest_after_refusal": latest_after_refusal,
                   "steps": checkpoint_steps(directory), "left": sorted(os.listdir(directory))}))

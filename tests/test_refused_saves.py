@@ -50,6 +50,9 @@ class ReadOnly(Callback):
       checkpointer._manifest = manifest_then_refuse
 
   def on_step_start(self, run, step):
+    if self.refuse_commit is not None and step == self.refuse_commit + 1:
+      while run.trainer.checkpointer._manager.is_saving_in_progress():
+        time.sleep(0.01)   # the refused write ends before the loop looks (found by `check`)
     if step in self.read_only_at:   # between saves: the one before is committed first
       run.trainer.checkpointer._manager.wait_until_finished()
       injector.make_read_only(self.directory)
@@ -93,6 +96,7 @@ def test_a_refused_background_write_is_reported_once(tmp_path, first):
     with pytest.raises(CheckpointWriteError, match="checkpoint step 4 could not") as error:
       getattr(checkpointer, first)()
     assert error.value.step == 4
+    assert checkpointer.latest_step() == 2 and checkpointer.all_steps() == [2]
   finally:
     injector.make_writable(checkpointer.directory)
   checkpointer.check()   # neither reports it again
@@ -119,7 +123,8 @@ def test_refused_saves_are_dropped_and_training_goes_on(tiny_config, tmp_path):
   clean = Trainer(_config(tiny_config), str(tmp_path / "clean"), show_progress=False)
   clean.train()
   # Step 6's save is refused at once (read-only for steps 5-6); step 8's is refused while its
-  # background write commits, found at a later step or at the next save.
+  # background write commits, which ends before step 9 (found by the check after a step, and
+  # not again by the next save's wait).
   faulty = ReadOnly(read_only_at=(5,), writable_at=(7,), refuse_commit=8)
   trainer = Trainer(_config(tiny_config), str(tmp_path / "faulty"), show_progress=False,
                     callbacks=[faulty])
@@ -187,5 +192,6 @@ def test_two_processes_both_drop_a_save_whose_commit_process_0_could_not_make(tm
   assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
   seen = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
   assert [s["refused"] for s in seen] == [8, 8], seen
+  assert [s["latest_after_refusal"] for s in seen] == [4, 4], seen
   assert checkpoint_steps(directory) == [12, 4]
   assert sorted(os.listdir(directory)) == ["12", "4"]   # no temporary folder left
