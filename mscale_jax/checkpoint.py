@@ -29,6 +29,7 @@ written), and `write_s`, how long the background write took after that. Restores
 import collections
 import dataclasses
 import glob
+import hashlib
 import logging
 import os
 import shutil
@@ -84,49 +85,62 @@ def set_aside_corrupt(directory: str) -> list[dict]:
   return moved
 
 
+def _every_process(folders: list[str], timeout_ms: int, what: str) -> dict[str, str]:
+  """Waits until jax.distributed's key-value store `folders` hold, together, a key of every
+  process (each key ends in its process index); returns {index: value}. Polls, backing off
+  from 2 ms to 50 ms, so that a barrier of P processes costs the coordinator few reads."""
+  client = ocp.multihost.get_jax_distributed_client()
+  deadline, pause = time.monotonic() + timeout_ms / 1000, 0.002
+  while True:
+    found = {k.rsplit("/", 1)[1]: v for folder in folders
+             for k, v in client.key_value_dir_get(folder)}
+    if len(found) >= jax.process_count():
+      return found
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"{what}: not every process came in {timeout_ms} ms")
+    time.sleep(pause)
+    pause = min(2 * pause, 0.05)
+
+
 class _Barriers:
   """Orbax's barriers between processes (its AsyncOptions.barrier_sync_fn), kept in
-  jax.distributed's key-value store so that a save whose commit fails lets the others go:
-  orbax's process 0, whose final rename fails, never reaches that save's last barrier, and the
-  others would wait there for minutes, holding their next save. A process that gave save `n`
-  up (`give_up`) counts as arrived at every barrier of save `n`; the others then find the
-  checkpoint missing themselves (Checkpointer.check)."""
+  jax.distributed's key-value store under `prefix` so that a save whose commit fails lets the
+  others go: orbax's process 0, whose final rename fails, never reaches that save's last
+  barrier, and the others would wait there for minutes, holding their next save. A process
+  that gave save `n` up (`give_up`) counts as arrived at every barrier of save `n`; the others
+  then find the checkpoint missing themselves (Checkpointer.check). Each barrier is named by
+  its save and its use within that save, so a barrier a process skipped in a given-up save
+  (re-saved at the same step or not) cannot shift the names of later ones."""
 
-  made = 0   # instances so far: the same sequence in every process, so it names their keys
-
-  def __init__(self):
-    _Barriers.made += 1
-    self.prefix = f"mscale_checkpointer{_Barriers.made}"
-    self.uses = collections.Counter()   # each orbax key, numbered by use (the same everywhere)
+  def __init__(self, prefix: str):
+    self.prefix = prefix
+    self.uses = collections.Counter()   # (save, orbax key) -> uses (the same everywhere)
     self.save = 0                       # the save being written (Checkpointer._probes)
     self._given_up: set[int] = set()
 
   def __call__(self, *, key: str, timeout_ms: int) -> None:
+    save = self.save
+    self.uses[save, key] += 1
+    name = f"{self.prefix}/barrier/{save}/{key}/{self.uses[save, key]}/"
     client = ocp.multihost.get_jax_distributed_client()
-    self.uses[key] += 1
-    name, save = f"{self.prefix}/barrier/{key}/{self.uses[key]}/", self.save
     client.key_value_set(f"{name}{jax.process_index()}", "1")
-    deadline = time.monotonic() + timeout_ms / 1000
-    while True:
-      arrived = {k.rsplit("/", 1)[1] for k, _ in client.key_value_dir_get(name)}
-      arrived |= {k.rsplit("/", 1)[1] for k, _ in
-                  client.key_value_dir_get(f"{self.prefix}/gave_up/{save}/")}
-      if len(arrived) >= jax.process_count():
-        return
-      if time.monotonic() > deadline:
-        raise TimeoutError(f"barrier {key!r}: not every process came in {timeout_ms} ms")
-      time.sleep(0.01)
+    _every_process([name, self._gave_up_folder(save)], timeout_ms, f"barrier {key!r}")
+
+  def _gave_up_folder(self, save: int) -> str:
+    return f"{self.prefix}/gave_up/{save}/"
 
   def give_up(self) -> None:
     """This process will not finish the save being written."""
     if self.save not in self._given_up:
       self._given_up.add(self.save)
       client = ocp.multihost.get_jax_distributed_client()
-      client.key_value_set(f"{self.prefix}/gave_up/{self.save}/{jax.process_index()}", "1")
+      client.key_value_set(f"{self._gave_up_folder(self.save)}{jax.process_index()}", "1")
 
 
 class Checkpointer:
   """Saves and restores train state, data-iterator state and model config under `directory`."""
+
+  _made: dict[str, int] = {}   # directory -> Checkpointers made for it in this process
 
   def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
     self.directory = os.path.abspath(directory)
@@ -138,7 +152,12 @@ class Checkpointer:
     self._checked_step = None          # the newest save whose write was checked
     self._refused: set[int] = set()    # refused saves whose temporary folder may remain
     self._probes = 0                   # saves started (names the processes' agreement)
-    self._barriers = _Barriers() if jax.process_count() > 1 else None
+    # Names of this Checkpointer's keys in jax.distributed's key-value store: its folder and
+    # how many Checkpointers of that folder this process made before (the same everywhere).
+    made = Checkpointer._made[self.directory] = Checkpointer._made.get(self.directory, 0) + 1
+    folder_id = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
+    self._kv_prefix = f"mscale_checkpointer/{folder_id}/{made}"
+    self._barriers = _Barriers(self._kv_prefix) if jax.process_count() > 1 else None
     self.set_aside = self._check_newest()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
@@ -201,13 +220,19 @@ class Checkpointer:
     """'' if the folder takes a new file, else why not (read-only, full, gone): found now
     rather than in orbax's background thread later."""
     probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
+    problem = ""
     try:
       with open(probe, "wb") as f:
         f.write(b"0")
-      os.remove(probe)
     except OSError as e:
-      return f"{type(e).__name__}: {e}"
-    return ""
+      problem = f"{type(e).__name__}: {e}"
+    try:   # also when made but not written (a full disk)
+      os.remove(probe)
+    except FileNotFoundError:
+      pass
+    except OSError as e:
+      problem = problem or f"{type(e).__name__}: {e}"
+    return problem
 
   def _agree(self, problem: str) -> None:
     """Raises OSError unless every process can write (`problem` is this one's, '' if none).
@@ -217,12 +242,12 @@ class Checkpointer:
     compiled program)."""
     self._probes += 1
     if jax.process_count() > 1:
+      folder = f"{self._kv_prefix}/probe/{self._probes}/"
       client = ocp.multihost.get_jax_distributed_client()
-      key = f"mscale_save_probe/{self._probes}"
-      client.key_value_set(f"{key}/{jax.process_index()}", problem or "ok")
-      answers = [client.blocking_key_value_get(f"{key}/{i}", 300_000)
-                 for i in range(jax.process_count())]
-      problem = next((f"process {i}: {a}" for i, a in enumerate(answers) if a != "ok"), "")
+      client.key_value_set(f"{folder}{jax.process_index()}", problem or "ok")
+      answers = _every_process([folder], 300_000, "write probe")
+      problem = next((f"process {i}: {answers[str(i)]}" for i in range(jax.process_count())
+                      if answers[str(i)] != "ok"), "")
     if problem:
       raise OSError(problem)
 
@@ -236,6 +261,9 @@ class Checkpointer:
     self._refused.add(step)
     if self._barriers is not None:   # peers still waiting in its barriers go on
       self._barriers.give_up()
+    # Orbax drops a failed save from its list only where its own thread failed; elsewhere the
+    # step would stay listed, and orbax would refuse to save that step again (a rollback).
+    self._manager._checkpoints.delete_if(lambda info: info.step == step)
     self._remove_refused()
 
   def _remove_refused(self) -> None:

@@ -1,6 +1,7 @@
 """One process of tests/test_refused_saves.py's two-process save (not a test itself): saves step
 4, then step 8, whose commit process 0 refuses (the folder turns read-only from orbax's thread
-just before the rename); then, writable again, step 12. Prints what each process saw as JSON.
+just before the rename); then, writable again, step 8 again (as after a rollback) and 12; then
+a second Checkpointer of the folder saves step 16. Prints what each process saw as JSON.
 
   MSCALE_COORDINATOR=host:port MSCALE_NUM_PROCESSES=2 MSCALE_PROCESS_ID=i \\
       python tests/refused_save_worker.py DIRECTORY
@@ -61,7 +62,13 @@ latest_after_refusal = checkpointer.latest_step()   # step 8 is in orbax's list 
 if jax.process_index() == 0:   # as the driver does once the refusal is reported
   injector.make_writable(directory)
 ocp.multihost.get_jax_distributed_client().wait_at_barrier("writable again", 60_000)
+checkpointer._manifest = manifest
+checkpointer.save(8, state(8), {"position": 8}, Config())   # saved again, as after a rollback
 checkpointer.save(12, state(12), {"position": 12}, Config())
+checkpointer.close()
+# A second Checkpointer of the folder in this session names its own keys.
+checkpointer = Checkpointer(directory, keep=3)
+checkpointer.save(16, state(16), {"position": 16}, Config())
 checkpointer.close()
 print(json.dumps({"rank": jax.process_index(), "refused": refused,
                   "latest_after_refusal": latest_after_refusal,
