@@ -121,10 +121,21 @@ class _Barriers:
   def __call__(self, *, key: str, timeout_ms: int) -> None:
     save = self.save
     self.uses[save, key] += 1
+    if self._write_failed(save, key):
+      self.give_up()
     name = f"{self.prefix}/barrier/{save}/{key}/{self.uses[save, key]}/"
     client = ocp.multihost.get_jax_distributed_client()
     client.key_value_set(f"{name}{jax.process_index()}", "1")
     _every_process([name, self._gave_up_folder(save)], timeout_ms, f"barrier {key!r}")
+
+  def _write_failed(self, save: int, key: str) -> bool:
+    """Whether this process's part of save `save` failed: orbax's thread came to the save's
+    last barrier (its progress flag set back, the flag's 2nd set of the save; the 1st is at
+    its start) without the one after the writes. Given up there, before this process's
+    peers wait for it, so that process 0 does not commit the save (`Checkpointer._written`);
+    found only at the next save otherwise, which waits for that barrier: a deadlock."""
+    return ("set_value_start" in key and self.uses[save, key] == 2 and
+            not any(s == save and "async_write_complete" in k for s, k in self.uses))
 
   def _gave_up_folder(self, save: int) -> str:
     return f"{self.prefix}/gave_up/{save}/"
@@ -135,6 +146,13 @@ class _Barriers:
       self._given_up.add(self.save)
       client = ocp.multihost.get_jax_distributed_client()
       client.key_value_set(f"{self._gave_up_folder(self.save)}{jax.process_index()}", "1")
+
+  def peers_gave_up(self) -> list[int]:
+    """The other processes that gave the save being written up (their part is missing)."""
+    client = ocp.multihost.get_jax_distributed_client()
+    return sorted(int(k.rsplit("/", 1)[1]) for k, _ in
+                  client.key_value_dir_get(self._gave_up_folder(self.save))
+                  if int(k.rsplit("/", 1)[1]) != jax.process_index())
 
 
 class Checkpointer:
@@ -278,8 +296,10 @@ class Checkpointer:
 
   def _written(self) -> None:
     """orbax's callback once the background write of the newest save is complete (process 0,
-    just before orbax renames its folder: if the directory refuses that, the save is given up
-    now, so that the other processes do not wait for its commit)."""
+    just before orbax renames its folder). With peers, the save is given up now, so that they
+    do not wait for its commit, if the directory refuses that rename, and not committed (this
+    raises) if a peer gave it up: its own write failed, so its part of the checkpoint is
+    missing (orbax let process 0 through the barrier after the writes only because of that)."""
     with self._lock:
       if self.saves and self.saves[-1]["write_s"] is None:
         self.saves[-1]["write_s"] = time.perf_counter() - self._stalled_until
@@ -289,6 +309,10 @@ class Checkpointer:
         self._manifest(step)
       return
     try:
+      peers = self._barriers.peers_gave_up()
+      if peers:
+        raise OSError(f"process(es) {peers} could not write their part of checkpoint step "
+                      f"{step}: not committed")
       if step is not None:
         self._manifest(step)
     except BaseException:
