@@ -281,7 +281,9 @@ class Checkpointer:
       self._barriers.give_up()
     # Orbax drops a failed save from its list only where its own thread failed; elsewhere the
     # step would stay listed, and orbax would refuse to save that step again (a rollback).
-    self._manager._checkpoints.delete_if(lambda info: info.step == step)
+    listed = getattr(self._manager, "_checkpoints", None)   # orbax 0.12-0.13's own list
+    if listed is not None:
+      listed.delete_if(lambda info: info.step == step)
     self._remove_refused()
 
   def _remove_refused(self) -> None:
