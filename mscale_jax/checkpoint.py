@@ -121,21 +121,23 @@ class _Barriers:
   def __call__(self, *, key: str, timeout_ms: int) -> None:
     save = self.save
     self.uses[save, key] += 1
-    if self._write_failed(save, key):
+    if self._failed(save, key):
       self.give_up()
     name = f"{self.prefix}/barrier/{save}/{key}/{self.uses[save, key]}/"
     client = ocp.multihost.get_jax_distributed_client()
     client.key_value_set(f"{name}{jax.process_index()}", "1")
     _every_process([name, self._gave_up_folder(save)], timeout_ms, f"barrier {key!r}")
 
-  def _write_failed(self, save: int, key: str) -> bool:
-    """Whether this process's part of save `save` failed: orbax's thread came to the save's
-    last barrier (its progress flag set back, the flag's 2nd set of the save; the 1st is at
-    its start) without the one after the writes. Given up there, before this process's
-    peers wait for it, so that process 0 does not commit the save (`Checkpointer._written`);
-    found only at the next save otherwise, which waits for that barrier: a deadlock."""
+  def _failed(self, save: int, key: str) -> bool:
+    """Whether this process failed its part of save `save` (its write, or process 0's
+    commit): orbax's thread came to the save's last barrier (its progress flag set back: the
+    flag's 2nd set of the save, the 1st is at its start) without the commit's barrier. Given
+    up there, before the peers wait for it, so that process 0 does not commit the save
+    (`Checkpointer._written`): found only at the next save otherwise, which waits for that
+    barrier, a deadlock. (Orbax's key names, 0.12-0.13; with others, the deadlock lasts until
+    orbax's timeout.)"""
     return ("set_value_start" in key and self.uses[save, key] == 2 and
-            not any(s == save and "async_write_complete" in k for s, k in self.uses))
+            not any(s == save and "async_commit_complete" in k for s, k in self.uses))
 
   def _gave_up_folder(self, save: int) -> str:
     return f"{self.prefix}/gave_up/{save}/"
