@@ -29,6 +29,7 @@ written), and `write_s`, how long the background write took after that. Restores
 import collections
 import dataclasses
 import glob
+import hashlib
 import logging
 import os
 import shutil
@@ -84,49 +85,82 @@ def set_aside_corrupt(directory: str) -> list[dict]:
   return moved
 
 
+def _every_process(folders: list[str], timeout_ms: int, what: str) -> dict[str, str]:
+  """Waits until jax.distributed's key-value store `folders` hold, together, a key of every
+  process (each key ends in its process index); returns {index: value}. Polls, backing off
+  from 2 ms to 50 ms, so that a barrier of P processes costs the coordinator few reads."""
+  client = ocp.multihost.get_jax_distributed_client()
+  deadline, pause = time.monotonic() + timeout_ms / 1000, 0.002
+  while True:
+    found = {k.rsplit("/", 1)[1]: v for folder in folders
+             for k, v in client.key_value_dir_get(folder)}
+    if len(found) >= jax.process_count():
+      return found
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"{what}: not every process came in {timeout_ms} ms")
+    time.sleep(pause)
+    pause = min(2 * pause, 0.05)
+
+
 class _Barriers:
   """Orbax's barriers between processes (its AsyncOptions.barrier_sync_fn), kept in
-  jax.distributed's key-value store so that a save whose commit fails lets the others go:
-  orbax's process 0, whose final rename fails, never reaches that save's last barrier, and the
-  others would wait there for minutes, holding their next save. A process that gave save `n`
-  up (`give_up`) counts as arrived at every barrier of save `n`; the others then find the
-  checkpoint missing themselves (Checkpointer.check)."""
+  jax.distributed's key-value store under `prefix` so that a save whose commit fails lets the
+  others go: orbax's process 0, whose final rename fails, never reaches that save's last
+  barrier, and the others would wait there for minutes, holding their next save. A process
+  that gave save `n` up (`give_up`) counts as arrived at every barrier of save `n`; the others
+  then find the checkpoint missing themselves (Checkpointer.check). Each barrier is named by
+  its save and its use within that save, so a barrier a process skipped in a given-up save
+  (re-saved at the same step or not) cannot shift the names of later ones."""
 
-  made = 0   # instances so far: the same sequence in every process, so it names their keys
-
-  def __init__(self):
-    _Barriers.made += 1
-    self.prefix = f"mscale_checkpointer{_Barriers.made}"
-    self.uses = collections.Counter()   # each orbax key, numbered by use (the same everywhere)
+  def __init__(self, prefix: str):
+    self.prefix = prefix
+    self.uses = collections.Counter()   # (save, orbax key) -> uses (the same everywhere)
     self.save = 0                       # the save being written (Checkpointer._probes)
     self._given_up: set[int] = set()
 
   def __call__(self, *, key: str, timeout_ms: int) -> None:
+    save = self.save
+    self.uses[save, key] += 1
+    if self._failed(save, key):
+      self.give_up()
+    name = f"{self.prefix}/barrier/{save}/{key}/{self.uses[save, key]}/"
     client = ocp.multihost.get_jax_distributed_client()
-    self.uses[key] += 1
-    name, save = f"{self.prefix}/barrier/{key}/{self.uses[key]}/", self.save
     client.key_value_set(f"{name}{jax.process_index()}", "1")
-    deadline = time.monotonic() + timeout_ms / 1000
-    while True:
-      arrived = {k.rsplit("/", 1)[1] for k, _ in client.key_value_dir_get(name)}
-      arrived |= {k.rsplit("/", 1)[1] for k, _ in
-                  client.key_value_dir_get(f"{self.prefix}/gave_up/{save}/")}
-      if len(arrived) >= jax.process_count():
-        return
-      if time.monotonic() > deadline:
-        raise TimeoutError(f"barrier {key!r}: not every process came in {timeout_ms} ms")
-      time.sleep(0.01)
+    _every_process([name, self._gave_up_folder(save)], timeout_ms, f"barrier {key!r}")
+
+  def _failed(self, save: int, key: str) -> bool:
+    """Whether this process failed its part of save `save` (its write, or process 0's
+    commit): orbax's thread came to the save's last barrier (its progress flag set back: the
+    flag's 2nd set of the save, the 1st is at its start) without the commit's barrier. Given
+    up there, before the peers wait for it, so that process 0 does not commit the save
+    (`Checkpointer._written`): found only at the next save otherwise, which waits for that
+    barrier, a deadlock. (Orbax's key names, 0.12-0.13; with others, the deadlock lasts until
+    orbax's timeout.)"""
+    return ("set_value_start" in key and self.uses[save, key] == 2 and
+            not any(s == save and "async_commit_complete" in k for s, k in self.uses))
+
+  def _gave_up_folder(self, save: int) -> str:
+    return f"{self.prefix}/gave_up/{save}/"
 
   def give_up(self) -> None:
     """This process will not finish the save being written."""
     if self.save not in self._given_up:
       self._given_up.add(self.save)
       client = ocp.multihost.get_jax_distributed_client()
-      client.key_value_set(f"{self.prefix}/gave_up/{self.save}/{jax.process_index()}", "1")
+      client.key_value_set(f"{self._gave_up_folder(self.save)}{jax.process_index()}", "1")
+
+  def peers_gave_up(self) -> list[int]:
+    """The other processes that gave the save being written up (their part is missing)."""
+    client = ocp.multihost.get_jax_distributed_client()
+    return sorted(int(k.rsplit("/", 1)[1]) for k, _ in
+                  client.key_value_dir_get(self._gave_up_folder(self.save))
+                  if int(k.rsplit("/", 1)[1]) != jax.process_index())
 
 
 class Checkpointer:
   """Saves and restores train state, data-iterator state and model config under `directory`."""
+
+  _made: dict[str, int] = {}   # directory -> Checkpointers made for it in this process
 
   def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
     self.directory = os.path.abspath(directory)
@@ -138,7 +172,12 @@ class Checkpointer:
     self._checked_step = None          # the newest save whose write was checked
     self._refused: set[int] = set()    # refused saves whose temporary folder may remain
     self._probes = 0                   # saves started (names the processes' agreement)
-    self._barriers = _Barriers() if jax.process_count() > 1 else None
+    # Names of this Checkpointer's keys in jax.distributed's key-value store: its folder and
+    # how many Checkpointers of that folder this process made before (the same everywhere).
+    made = Checkpointer._made[self.directory] = Checkpointer._made.get(self.directory, 0) + 1
+    folder_id = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
+    self._kv_prefix = f"mscale_checkpointer/{folder_id}/{made}"
+    self._barriers = _Barriers(self._kv_prefix) if jax.process_count() > 1 else None
     self.set_aside = self._check_newest()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
@@ -167,7 +206,7 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or None (half-written ones do not count)."""
-    return self._manager.latest_step()
+    return next(iter(reversed(self.all_steps())), None)
 
   def save(self, step: int, state, data_state: dict, config: Config, *,
            layer_layout: tuple[int, int] = (1, 1)) -> None:
@@ -201,13 +240,19 @@ class Checkpointer:
     """'' if the folder takes a new file, else why not (read-only, full, gone): found now
     rather than in orbax's background thread later."""
     probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
+    problem = ""
     try:
       with open(probe, "wb") as f:
         f.write(b"0")
-      os.remove(probe)
     except OSError as e:
-      return f"{type(e).__name__}: {e}"
-    return ""
+      problem = f"{type(e).__name__}: {e}"
+    try:   # also when made but not written (a full disk)
+      os.remove(probe)
+    except FileNotFoundError:
+      pass
+    except OSError as e:
+      problem = problem or f"{type(e).__name__}: {e}"
+    return problem
 
   def _agree(self, problem: str) -> None:
     """Raises OSError unless every process can write (`problem` is this one's, '' if none).
@@ -217,12 +262,12 @@ class Checkpointer:
     compiled program)."""
     self._probes += 1
     if jax.process_count() > 1:
+      folder = f"{self._kv_prefix}/probe/{self._probes}/"
       client = ocp.multihost.get_jax_distributed_client()
-      key = f"mscale_save_probe/{self._probes}"
-      client.key_value_set(f"{key}/{jax.process_index()}", problem or "ok")
-      answers = [client.blocking_key_value_get(f"{key}/{i}", 300_000)
-                 for i in range(jax.process_count())]
-      problem = next((f"process {i}: {a}" for i, a in enumerate(answers) if a != "ok"), "")
+      client.key_value_set(f"{folder}{jax.process_index()}", problem or "ok")
+      answers = _every_process([folder], 300_000, "write probe")
+      problem = next((f"process {i}: {answers[str(i)]}" for i in range(jax.process_count())
+                      if answers[str(i)] != "ok"), "")
     if problem:
       raise OSError(problem)
 
@@ -231,10 +276,16 @@ class Checkpointer:
     or before the next save, where the directory still refuses changes), the previous
     complete checkpoint stays the latest. (An old checkpoint orbax could not delete while the
     directory refused changes stays, complete; orbax's list is not re-read: that takes a
-    barrier of every process, which may find the refusal steps apart.)"""
+    barrier of every process, which may find the refusal steps apart. `all_steps` and
+    `latest_step` list only the steps on disk.)"""
     self._refused.add(step)
     if self._barriers is not None:   # peers still waiting in its barriers go on
       self._barriers.give_up()
+    # Orbax drops a failed save from its list only where its own thread failed; elsewhere the
+    # step would stay listed, and orbax would refuse to save that step again (a rollback).
+    listed = getattr(self._manager, "_checkpoints", None)   # orbax 0.12-0.13's own list
+    if listed is not None:
+      listed.delete_if(lambda info: info.step == step)
     self._remove_refused()
 
   def _remove_refused(self) -> None:
@@ -249,8 +300,10 @@ class Checkpointer:
 
   def _written(self) -> None:
     """orbax's callback once the background write of the newest save is complete (process 0,
-    just before orbax renames its folder: if the directory refuses that, the save is given up
-    now, so that the other processes do not wait for its commit)."""
+    just before orbax renames its folder). With peers, the save is given up now, so that they
+    do not wait for its commit, if the directory refuses that rename, and not committed (this
+    raises) if a peer gave it up: its own write failed, so its part of the checkpoint is
+    missing (orbax let process 0 through the barrier after the writes only because of that)."""
     with self._lock:
       if self.saves and self.saves[-1]["write_s"] is None:
         self.saves[-1]["write_s"] = time.perf_counter() - self._stalled_until
@@ -260,6 +313,10 @@ class Checkpointer:
         self._manifest(step)
       return
     try:
+      peers = self._barriers.peers_gave_up()
+      if peers:
+        raise OSError(f"process(es) {peers} could not write their part of checkpoint step "
+                      f"{step}: not committed")
       if step is not None:
         self._manifest(step)
     except BaseException:
@@ -328,8 +385,11 @@ class Checkpointer:
                           f"--workdir")
 
   def all_steps(self) -> list[int]:
-    """Steps of the complete checkpoints, oldest first."""
-    return sorted(self._manager.all_steps())
+    """Steps of the complete checkpoints, oldest first: orbax's list, less the steps not on
+    disk (still being written, or refused: a process other than 0 keeps a save whose commit
+    process 0 refused in orbax's list, which is not re-read, see `discard`)."""
+    on_disk = set(checkpoint_steps(self.directory))
+    return sorted(s for s in self._manager.all_steps() if s in on_disk)
 
   def restore_meta(self, step: int) -> dict:
     """The configs saved with `step`: {'model', 'optimizer', 'train_steps'} (and 'data')."""
@@ -363,23 +423,33 @@ class Checkpointer:
     return state
 
   def check(self) -> None:
-    """Raises CheckpointWriteError if a background write has failed since the last call."""
+    """Raises CheckpointWriteError if a background write has failed since the last call
+    (each failed save once, whichever of `check` and `wait` finds it first)."""
     try:
       self._manager.check_for_errors()
     except Exception as e:
-      self._checked_step = self._newest_save()   # reported once
-      raise self._write_error(self._checked_step, e) from e
+      self._report_failed(e)
     if not self._manager.is_saving_in_progress():
       self._check_newest_written()
 
   def wait(self) -> None:
-    """Blocks until every started save is on disk (CheckpointWriteError if one failed)."""
+    """Blocks until every started save is on disk (CheckpointWriteError if one failed and
+    was not reported yet)."""
     try:
       self._manager.wait_until_finished()
     except Exception as e:
-      self._checked_step = self._newest_save()   # reported once
-      raise self._write_error(self._checked_step, e) from e
+      self._report_failed(e)
     self._check_newest_written()
+
+  def _report_failed(self, error: Exception) -> None:
+    """Raises orbax's `error` for the newest save, unless that save was reported already:
+    orbax's finalizing thread raises its error again in the first `wait` after a `check`
+    that found the checkpoint missing."""
+    step = self._newest_save()
+    if step is not None and step == self._checked_step:
+      return
+    self._checked_step = step
+    raise self._write_error(step, error) from error
 
   def _newest_save(self) -> int | None:
     return self.saves[-1]["step"] if self.saves else None

@@ -1,10 +1,13 @@
 """One process of tests/test_refused_saves.py's two-process save (not a test itself): saves step
 4, then step 8, whose commit process 0 refuses (the folder turns read-only from orbax's thread
-just before the rename); then, writable again, step 12. Prints what each process saw as JSON.
+just before the rename); then, writable again, step 8 again (as after a rollback); then step
+12, whose background write fails on process 1 alone (its disk is full); then a second
+Checkpointer of the folder saves step 16. Prints what each process saw as JSON.
 
   MSCALE_COORDINATOR=host:port MSCALE_NUM_PROCESSES=2 MSCALE_PROCESS_ID=i \\
       python tests/refused_save_worker.py DIRECTORY
 """
+import errno
 import json
 import os
 import sys
@@ -57,10 +60,39 @@ try:
 except CheckpointWriteError as error:
   refused = error.step
   checkpointer.discard(error.step)
+latest_after_refusal = checkpointer.latest_step()   # step 8 is in orbax's list on process 1
 if jax.process_index() == 0:   # as the driver does once the refusal is reported
   injector.make_writable(directory)
 ocp.multihost.get_jax_distributed_client().wait_at_barrier("writable again", 60_000)
+checkpointer._manifest = manifest
+checkpointer.save(8, state(8), {"position": 8}, Config())   # saved again, as after a rollback
+commits = checkpointer._manager._checkpointer._async_manager   # orbax's background writes
+start_commit = commits.start_async_commit
+
+
+class NoSpace:
+  """Process 1's part of step 12's background write, which its disk refuses."""
+
+  def result(self, timeout=None):
+    raise OSError(errno.ENOSPC, "No space left on device (process 1's part of step 12)")
+
+
+if jax.process_index() == 1:
+  commits.start_async_commit = lambda directory, commit_futures, on_commit_callback: (
+      start_commit(directory, [*commit_futures, NoSpace()], on_commit_callback))
 checkpointer.save(12, state(12), {"position": 12}, Config())
+try:
+  checkpointer.wait()
+  refused_too = None
+except CheckpointWriteError as error:
+  refused_too = error.step
+  checkpointer.discard(error.step)
+commits.start_async_commit = start_commit
 checkpointer.close()
-print(json.dumps({"rank": jax.process_index(), "refused": refused,
+# A second Checkpointer of the folder in this session names its own keys.
+checkpointer = Checkpointer(directory, keep=3)
+checkpointer.save(16, state(16), {"position": 16}, Config())
+checkpointer.close()
+print(json.dumps({"rank": jax.process_index(), "refused": [refused, refused_too],
+                  "latest_after_refusal": latest_after_refusal,
                   "steps": checkpoint_steps(directory), "left": sorted(os.listdir(directory))}))

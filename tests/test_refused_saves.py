@@ -9,16 +9,18 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from mscale_jax.callbacks import Callback
-from mscale_jax.checkpoint import TMP_MARK, CheckpointWriteError
+from mscale_jax.checkpoint import TMP_MARK, Checkpointer, CheckpointWriteError
+from mscale_jax.config import Config
 from mscale_jax.files import checkpoint_steps, verify_manifest
 from mscale_jax.resilience.driver import injector
 from mscale_jax.train import Trainer
-
-pytestmark = pytest.mark.slow   # real training runs
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "refused_save_worker.py")
 
@@ -48,6 +50,9 @@ class ReadOnly(Callback):
       checkpointer._manifest = manifest_then_refuse
 
   def on_step_start(self, run, step):
+    if self.refuse_commit is not None and step == self.refuse_commit + 1:
+      while run.trainer.checkpointer._manager.is_saving_in_progress():
+        time.sleep(0.01)   # the refused write ends before the loop looks (found by `check`)
     if step in self.read_only_at:   # between saves: the one before is committed first
       run.trainer.checkpointer._manager.wait_until_finished()
       injector.make_read_only(self.directory)
@@ -60,6 +65,49 @@ class ReadOnly(Callback):
       injector.make_writable(self.directory)
 
 
+def _refuse_commit(checkpointer, refused_step):
+  """The folder turns read-only from orbax's thread just before it renames `refused_step`."""
+  manifest = checkpointer._manifest
+
+  def manifest_then_refuse(step):
+    manifest(step)
+    if step == refused_step:
+      injector.make_read_only(checkpointer.directory)
+  checkpointer._manifest = manifest_then_refuse
+
+
+def _state(seed):
+  return {"w": jnp.asarray(np.random.default_rng(seed).normal(size=(8, 4)), jnp.float32)}
+
+
+@pytest.mark.parametrize("first", ["check", "wait"])
+def test_a_refused_background_write_is_reported_once(tmp_path, first):
+  """Step 4's commit is refused and its background write ends before the loop looks: the
+  first of `check` (the next step) and `wait` (the next save) reports it, the other does not
+  report it again."""
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"), keep=3)
+  checkpointer.save(2, _state(2), {"position": 2}, Config())
+  checkpointer.wait()
+  _refuse_commit(checkpointer, 4)
+  checkpointer.save(4, _state(4), {"position": 4}, Config())
+  try:
+    while checkpointer._manager.is_saving_in_progress():   # the write ends first
+      time.sleep(0.01)
+    with pytest.raises(CheckpointWriteError, match="checkpoint step 4 could not") as error:
+      getattr(checkpointer, first)()
+    assert error.value.step == 4
+    assert checkpointer.latest_step() == 2 and checkpointer.all_steps() == [2]
+  finally:
+    injector.make_writable(checkpointer.directory)
+  checkpointer.check()   # neither reports it again
+  checkpointer.wait()
+  checkpointer.discard(4)
+  checkpointer.save(6, _state(6), {"position": 6}, Config())
+  checkpointer.close()
+  assert checkpoint_steps(checkpointer.directory) == [6, 2]
+  assert sorted(os.listdir(checkpointer.directory)) == ["2", "6"]
+
+
 def _config(tiny_config, **train):
   return tiny_config(train=dict(dict(steps=12, global_batch=4, log_every=1, eval_every=12,
                                      checkpoint_every=2), **train))
@@ -70,11 +118,13 @@ def _losses(workdir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, f)]
 
 
+@pytest.mark.slow   # real training runs
 def test_refused_saves_are_dropped_and_training_goes_on(tiny_config, tmp_path):
   clean = Trainer(_config(tiny_config), str(tmp_path / "clean"), show_progress=False)
   clean.train()
   # Step 6's save is refused at once (read-only for steps 5-6); step 8's is refused while its
-  # background write commits, found at a later step or at the next save.
+  # background write commits, which ends before step 9 (found by the check after a step, and
+  # not again by the next save's wait).
   faulty = ReadOnly(read_only_at=(5,), writable_at=(7,), refuse_commit=8)
   trainer = Trainer(_config(tiny_config), str(tmp_path / "faulty"), show_progress=False,
                     callbacks=[faulty])
@@ -100,6 +150,7 @@ def test_refused_saves_are_dropped_and_training_goes_on(tiny_config, tmp_path):
   assert [s for s, _ in _losses(tmp_path / "faulty")] == list(range(1, 13))
 
 
+@pytest.mark.slow   # real training runs
 def test_max_refused_saves_in_a_row_stop_the_run(tiny_config, tmp_path):
   faulty = ReadOnly(read_only_at=(3,))
   trainer = Trainer(_config(tiny_config, max_refused_saves=2), str(tmp_path),
@@ -115,11 +166,14 @@ def test_max_refused_saves_in_a_row_stop_the_run(tiny_config, tmp_path):
   assert [s for s, _ in _losses(tmp_path)] == list(range(1, 7))
 
 
+@pytest.mark.slow   # real training runs
 def test_two_processes_both_drop_a_save_whose_commit_process_0_could_not_make(tmp_path):
   """Two JAX processes (jax.distributed) save into one folder; it turns read-only just before
   process 0 renames step 8's folder (tests/refused_save_worker.py). Process 1, waiting for that
   commit at orbax's barrier, is let go instead of waiting minutes; both report step 8 refused
-  and step 12 is written by both."""
+  (and no longer list it) and save step 8 again. Step 12, whose write fails on process 1 alone,
+  is not committed by process 0 either: both report it refused. A second Checkpointer of the
+  folder saves 16."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -139,6 +193,7 @@ def test_two_processes_both_drop_a_save_whose_commit_process_0_could_not_make(tm
     injector.make_writable(directory)
   assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
   seen = [json.loads(o.strip().splitlines()[-1]) for o in outputs]
-  assert [s["refused"] for s in seen] == [8, 8], seen
-  assert checkpoint_steps(directory) == [12, 4]
-  assert sorted(os.listdir(directory)) == ["12", "4"]   # no temporary folder left
+  assert [s["refused"] for s in seen] == [[8, 12], [8, 12]], seen
+  assert [s["latest_after_refusal"] for s in seen] == [4, 4], seen
+  assert checkpoint_steps(directory) == [16, 8, 4]
+  assert sorted(os.listdir(directory)) == ["16", "4", "8"]   # no temporary folder left

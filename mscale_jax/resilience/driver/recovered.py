@@ -32,8 +32,8 @@ class RecoveredLog:
   def _add(self, group, rank: int, item: dict, received: float) -> None:
     same = next((r for r in self.records if (r["attempt"], r["kind"], r["step"]) ==
                  (group.attempt, item["kind"], item["step"]) and item["step"] is not None), None)
-    if same is not None:   # another rank's report of the same save
-      same["ranks"].append(rank)
+    if same is not None:   # another rank's report of the same save (or the same rank's again)
+      same["ranks"] = sorted(set(same["ranks"]) | {rank})
       return
     self.injector.failure_detected()
     fired = claim.fired_since(self.state_dir, group.started, CAUSES.get(item["kind"], "-"))
