@@ -224,6 +224,17 @@ def refused_save_row(spec: str, refused: dict, marker: dict) -> dict:
           "in_process": True, "phases": {}}
 
 
+def train_step_served(run_dir: str) -> str:
+  """How rank 0's newest process got its train step: 'compiled', 'loaded' or 'loaded before
+  lowering' (compile_cache.load_or_lower), as its log says; 'unknown' if it says nothing."""
+  logs = os.path.join(run_dir, "logs")
+  newest = max((f for f in os.listdir(logs) if f.endswith("rank0.log")),
+               key=lambda f: os.path.getmtime(os.path.join(logs, f)))
+  with open(os.path.join(logs, newest)) as f:
+    said = [line for line in f if " the train step in " in line]
+  return said[-1].split(" the train step in ")[0].split("] ")[-1].strip() if said else "unknown"
+
+
 def restart_phases(report: dict, run_dir: str) -> list[dict]:
   """Per restart, where its seconds went (rank 0): the driver's teardown (detection to the new
   group's start), process start to the worker's timeline (Python and JAX start-up or a warm

@@ -20,6 +20,7 @@ import tempfile
 from absl import app, flags
 
 from experiments import job, results
+from experiments.drill_accounting import train_step_served
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
@@ -53,7 +54,7 @@ def main(argv):
   }
   if FLAGS.restart:
     figures["restarted"] = True
-    figures["train_step"] = _train_step_served(workdir)
+    figures["train_step"] = train_step_served(workdir)
   device = {"platform": "cpu", "processes": 2, "devices_per_process": 4,
             "host_cpu_count": os.cpu_count()}
   path = results.write_record("replica_check_cost-" + summary["config"], figures,
@@ -83,16 +84,6 @@ def _run(workdir: str) -> dict:
 def _kill_step() -> int:
   """The step at which --restart kills process 1: half way, between two saves."""
   return FLAGS.steps // 2 + FLAGS.checkpoint_every // 2
-
-
-def _train_step_served(workdir: str) -> str:
-  """'loaded' or 'compiled': what process 0's last log says of its train step."""
-  logs = os.path.join(workdir, "logs")
-  last = max((f for f in os.listdir(logs) if f.endswith("rank0.log")),
-             key=lambda f: os.path.getmtime(os.path.join(logs, f)))
-  with open(os.path.join(logs, last)) as f:
-    said = [line for line in f if "the train step in" in line]
-  return said[-1].split("the train step")[0].split()[-1] if said else "unknown"
 
 
 if __name__ == "__main__":

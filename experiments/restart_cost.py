@@ -24,7 +24,7 @@ import tempfile
 from absl import app, flags
 
 from experiments import job, results
-from experiments.drill_accounting import restart_phases
+from experiments.drill_accounting import restart_phases, train_step_served
 from mscale_jax.compile_cache import PRE_KEY_SWITCH
 
 FLAGS = flags.FLAGS
@@ -96,7 +96,7 @@ def _restart(workdir: str, cache: str, arm: str) -> dict:
     restarted["first_check_s"] = json.load(f)["checkpoint_saves"][0]["replica_check_s"]
   print(f"[{arm}] {restarted['start_to_first_step_s']:.2f} s to the first step "
         f"(compile or load {restarted['compile_or_cache_load_s']:.2f} s)", flush=True)
-  return {**{p: restarted[p] for p in PARTS}, "train_step_served": _served(workdir)}
+  return {**{p: restarted[p] for p in PARTS}, "train_step_served": train_step_served(workdir)}
 
 
 def _saved(restarts: list[dict], part: str) -> dict:
@@ -109,16 +109,6 @@ def _saved(restarts: list[dict], part: str) -> dict:
 def _kill_step() -> int:
   """Half way between the last two saves."""
   return FLAGS.steps - FLAGS.checkpoint_every // 2
-
-
-def _served(workdir: str) -> str:
-  """How rank 0's restarted process got its train step (its log's last word on it)."""
-  logs = os.path.join(workdir, "logs")
-  last = max((f for f in os.listdir(logs) if f.endswith("rank0.log")),
-             key=lambda f: os.path.getmtime(os.path.join(logs, f)))
-  with open(os.path.join(logs, last)) as f:
-    said = [line for line in f if "the train step in" in line]
-  return said[-1].split("the train step in")[0].split("] ")[-1].strip() if said else "unknown"
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 run's wall time in exactly one part, per fault and per restart, on runs whose parts are known)
 and its side-by-side runs (experiments/fault_drill.py)."""
 import json
+import os
 
 from experiments import drill_accounting, fault_drill
 
@@ -199,3 +200,21 @@ def test_reference_gain_counts_the_reference_steps_run_while_the_fault_run_was_d
   assert gain["gaps"] == 1 and gain["gaps_s"] == 11.0
   assert gain["reference_steps_in_gaps"] == 22   # times 5.5 ... 16.0
   assert abs(gain["reference_saved_s"] - 22 * 0.2) < 1e-9
+
+
+def test_how_the_train_step_was_served_is_read_from_rank_0s_newest_log(tmp_path):
+  """The three ways compile_cache.load_or_lower serves a program, as the trainer logs them;
+  the newest rank-0 log decides (an older attempt's or another rank's says nothing)."""
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  line = "I1126 20:00:32.523756 139 train.py:327] {} the train step in 0.5 s\n"
+  (logs / "attempt5-rank1.log").write_text(line.format("compiled"))
+  for n, served in enumerate(("compiled", "loaded", "loaded before lowering")):
+    path = logs / f"attempt{n}-rank0.log"
+    path.write_text("[train] gpt_tiny: 34,432 parameters\n" + line.format(served))
+    os.utime(path, (1000 + n, 1000 + n))
+    assert drill_accounting.train_step_served(str(tmp_path)) == served
+  newest = logs / "attempt9-rank0.log"
+  newest.write_text("[train] gpt_tiny: 34,432 parameters\n")
+  os.utime(newest, (2000, 2000))
+  assert drill_accounting.train_step_served(str(tmp_path)) == "unknown"
