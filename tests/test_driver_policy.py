@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -147,8 +148,12 @@ def test_a_refused_save_is_in_the_drivers_state_at_once(tmp_path):
         break
     assert lines and lines[-1].startswith("[driver] recovered"), "".join(lines)[-2000:]
     from mscale_jax.resilience.driver import claim
-    state = claim.read(str(tmp_path / "resilience"))
-    assert state["outcome"] is None   # the job is still running
+    # The driver writes its state right after the poll that printed the line: read until the
+    # record is there or the group has ended (only then did the state hold it before the fix).
+    while not (state := claim.read(str(tmp_path / "resilience")))["recovered_in_process"] \
+        and state["workers"]:
+      time.sleep(0.05)
+    assert state["workers"] and state["outcome"] is None   # the group is still running
     (refused,) = state["recovered_in_process"]
     assert refused["kind"] == "save_refused" and refused["injected"].startswith("io_error")
   finally:
