@@ -307,7 +307,7 @@ class Checkpointer:
     with self._lock:
       if self.saves and self.saves[-1]["write_s"] is None:
         self.saves[-1]["write_s"] = time.perf_counter() - self._stalled_until
-      step = self.saves[-1]["step"] if self.saves else None
+      step = self._newest_save()
     if self._barriers is None:
       if step is not None:
         self._manifest(step)

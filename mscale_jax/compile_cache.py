@@ -73,8 +73,8 @@ def compile_or_load(lowered, name: str, mesh: jax.sharding.Mesh, *,
   atomically; a cache that cannot be written only logs a warning. `record_pre_key`
   (`load_or_lower`'s): also recorded as a name of the entry, once the entry is on disk.
   """
-  folder = cache_folder()
-  if folder is None or mesh.size != jax.device_count():
+  folder = _folder_for(mesh)
+  if folder is None:
     return lowered.compile(), False
   text = lowered.as_text()
   if _HOST_CALLBACK.search(text):
@@ -106,11 +106,9 @@ def load_or_lower(lower: Callable[..., Any], args: tuple, name: str, mesh: jax.s
   get a pre-key either); an unreadable entry behind a pre-key is a miss. With
   MSCALE_COMPILE_CACHE_PREKEY=0 in the environment it is `compile_or_load(lower(*args))`.
   """
-  folder = cache_folder()
-  if folder is None or mesh.size != jax.device_count():
-    executable, loaded = compile_or_load(lower(*args), name, mesh)
-    return executable, "loaded" if loaded else "compiled"
-  key = pre_key(args, mesh, built_from) if os.environ.get(PRE_KEY_SWITCH) != "0" else None
+  folder = _folder_for(mesh)
+  key = (pre_key(args, mesh, built_from)
+         if folder is not None and os.environ.get(PRE_KEY_SWITCH) != "0" else None)
   executable = None if key is None else _load_by_pre_key(folder, name, key)
   if executable is not None:
     return executable, "loaded before lowering"
@@ -157,6 +155,12 @@ def source_digest() -> str:
   for dist in ("flax", "optax"):
     digest.update(f"{dist}=={importlib.metadata.version(dist)}\0".encode())
   return digest.hexdigest()
+
+
+def _folder_for(mesh: jax.sharding.Mesh) -> str | None:
+  """The cache folder for a program on `mesh`, or None where none is configured or the
+  program is on fewer than all devices (a loaded executable is placed on all of them)."""
+  return cache_folder() if mesh.size == jax.device_count() else None
 
 
 def _entry(folder: str, name: str, key: str, suffix: str = ".pkl") -> str:

@@ -52,14 +52,19 @@ def manifest_then_refuse(step):   # process 0, orbax's thread, just before the c
     injector.make_read_only(directory)
 
 
+def save_and_wait(step):
+  """Saves `step` and waits for its write: the step of a save refused and dropped, or None."""
+  checkpointer.save(step, state(step), {"position": step}, Config())
+  try:
+    checkpointer.wait()
+  except CheckpointWriteError as error:
+    checkpointer.discard(error.step)
+    return error.step
+  return None
+
+
 checkpointer._manifest = manifest_then_refuse
-checkpointer.save(8, state(8), {"position": 8}, Config())
-try:
-  checkpointer.wait()
-  refused = None
-except CheckpointWriteError as error:
-  refused = error.step
-  checkpointer.discard(error.step)
+refused = save_and_wait(8)
 latest_after_refusal = checkpointer.latest_step()   # step 8 is in orbax's list on process 1
 if jax.process_index() == 0:   # as the driver does once the refusal is reported
   injector.make_writable(directory)
@@ -80,13 +85,7 @@ class NoSpace:
 if jax.process_index() == 1:
   commits.start_async_commit = lambda directory, commit_futures, on_commit_callback: (
       start_commit(directory, [*commit_futures, NoSpace()], on_commit_callback))
-checkpointer.save(12, state(12), {"position": 12}, Config())
-try:
-  checkpointer.wait()
-  refused_too = None
-except CheckpointWriteError as error:
-  refused_too = error.step
-  checkpointer.discard(error.step)
+refused_too = save_and_wait(12)
 commits.start_async_commit = start_commit
 checkpointer.close()
 # A second Checkpointer of the folder in this session names its own keys.
