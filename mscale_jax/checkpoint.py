@@ -7,8 +7,13 @@ A checkpoint at step N holds three items:
   meta   the model and optimizer configs (JSON), so resuming a different model shape or
          optimizer fails clearly.
 
-Saves run in a background thread (the device-to-host copy happens before `save` returns, so the
-next step may overwrite donated buffers). Orbax writes into a temporary directory and renames it
+Saves run in the background: `save` holds the loop only while every process agrees that it can
+start and the state is copied into fresh device buffers (one dispatched copy: the next step may
+donate the originals); orbax's synchronous part (its directories and barriers, the
+device-to-host copy of that copy) runs on a launch thread and its write in orbax's threads.
+(Orbax's barriers go through jax.distributed, not compiled programs, so a launch thread never
+runs a collective program beside the loop's.) The copy holds one more state's device memory
+for the launch's tens of milliseconds. Orbax writes into a temporary directory and renames it
 when complete, so a run killed mid-save leaves the previous checkpoint as the latest; leftover
 temporary directories are removed on the next start.
 
@@ -23,10 +28,10 @@ it (at once, or before the next save where the folder still refuses changes). Ev
 agrees whether a save can start (`_agree`), so that none enters orbax's collective save alone.
 
 Every save's two stages are timed (MegaScale's two-stage checkpointing): `stall_s`, how long
-`save` held the training loop (device-to-host copy, and waiting for a previous save still being
-written), and `write_s`, how long the background write took after that. Restores are timed too.
+`save` held the training loop (agreement and device copy, and waiting for a previous save still
+being written), and `write_s`, how long the background write took after that; `parts` splits
+them (`STALL_PARTS`). Restores are timed too.
 """
-import collections
 import dataclasses
 import glob
 import hashlib
@@ -39,6 +44,7 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
+from mscale_jax.checkpoint_barriers import Barriers
 from mscale_jax.config import Config
 from mscale_jax.errors import ConfigError
 from mscale_jax.files import checkpoint_steps, verify_manifest, write_manifest
@@ -56,6 +62,27 @@ ocp.type_handlers.register_type_handler(
 
 
 ITEMS = ("state", "data", "meta")
+
+# Where a save's time goes (`Checkpointer.saves[i]['parts']`, seconds). On the loop: waiting for
+# the previous save's write, the write probe and every process's agreement, and (asynchronous
+# saves) copying the state into fresh device buffers and starting the launch thread. Orbax's
+# synchronous part, of which (as orbax reports them through jax.monitoring, on the thread
+# making the save) its barriers between processes and the device-to-host copy, runs on that
+# launch thread, off the loop (asynchronous saves; on the loop for synchronous ones).
+STALL_PARTS = ("wait_previous_s", "agree_s", "copy_s", "orbax_s", "orbax_barriers_s",
+               "orbax_d2h_s")
+_ORBAX_EVENTS = {"/jax/checkpoint/sync_global_devices_duration_sec": "orbax_barriers_s",
+                 "/jax/orbax/write/blocking_d2h_duration_secs": "orbax_d2h_s"}
+_saving = threading.local()   # .parts: the parts of the save this thread is making
+
+
+def _on_orbax_event(event: str, duration: float, **kwargs) -> None:
+  parts = getattr(_saving, "parts", None)
+  if parts is not None and event in _ORBAX_EVENTS:
+    parts[_ORBAX_EVENTS[event]] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_orbax_event)
 
 
 class CheckpointWriteError(RuntimeError):
@@ -85,78 +112,6 @@ def set_aside_corrupt(directory: str) -> list[dict]:
   return moved
 
 
-def _every_process(folders: list[str], timeout_ms: int, what: str) -> dict[str, str]:
-  """Waits until jax.distributed's key-value store `folders` hold, together, a key of every
-  process (each key ends in its process index); returns {index: value}. Polls, backing off
-  from 2 ms to 50 ms, so that a barrier of P processes costs the coordinator few reads."""
-  client = ocp.multihost.get_jax_distributed_client()
-  deadline, pause = time.monotonic() + timeout_ms / 1000, 0.002
-  while True:
-    found = {k.rsplit("/", 1)[1]: v for folder in folders
-             for k, v in client.key_value_dir_get(folder)}
-    if len(found) >= jax.process_count():
-      return found
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"{what}: not every process came in {timeout_ms} ms")
-    time.sleep(pause)
-    pause = min(2 * pause, 0.05)
-
-
-class _Barriers:
-  """Orbax's barriers between processes (its AsyncOptions.barrier_sync_fn), kept in
-  jax.distributed's key-value store under `prefix` so that a save whose commit fails lets the
-  others go: orbax's process 0, whose final rename fails, never reaches that save's last
-  barrier, and the others would wait there for minutes, holding their next save. A process
-  that gave save `n` up (`give_up`) counts as arrived at every barrier of save `n`; the others
-  then find the checkpoint missing themselves (Checkpointer.check). Each barrier is named by
-  its save and its use within that save, so a barrier a process skipped in a given-up save
-  (re-saved at the same step or not) cannot shift the names of later ones."""
-
-  def __init__(self, prefix: str):
-    self.prefix = prefix
-    self.uses = collections.Counter()   # (save, orbax key) -> uses (the same everywhere)
-    self.save = 0                       # the save being written (Checkpointer._probes)
-    self._given_up: set[int] = set()
-
-  def __call__(self, *, key: str, timeout_ms: int) -> None:
-    save = self.save
-    self.uses[save, key] += 1
-    if self._failed(save, key):
-      self.give_up()
-    name = f"{self.prefix}/barrier/{save}/{key}/{self.uses[save, key]}/"
-    client = ocp.multihost.get_jax_distributed_client()
-    client.key_value_set(f"{name}{jax.process_index()}", "1")
-    _every_process([name, self._gave_up_folder(save)], timeout_ms, f"barrier {key!r}")
-
-  def _failed(self, save: int, key: str) -> bool:
-    """Whether this process failed its part of save `save` (its write, or process 0's
-    commit): orbax's thread came to the save's last barrier (its progress flag set back: the
-    flag's 2nd set of the save, the 1st is at its start) without the commit's barrier. Given
-    up there, before the peers wait for it, so that process 0 does not commit the save
-    (`Checkpointer._written`): found only at the next save otherwise, which waits for that
-    barrier, a deadlock. (Orbax's key names, 0.12-0.13; with others, the deadlock lasts until
-    orbax's timeout.)"""
-    return ("set_value_start" in key and self.uses[save, key] == 2 and
-            not any(s == save and "async_commit_complete" in k for s, k in self.uses))
-
-  def _gave_up_folder(self, save: int) -> str:
-    return f"{self.prefix}/gave_up/{save}/"
-
-  def give_up(self) -> None:
-    """This process will not finish the save being written."""
-    if self.save not in self._given_up:
-      self._given_up.add(self.save)
-      client = ocp.multihost.get_jax_distributed_client()
-      client.key_value_set(f"{self._gave_up_folder(self.save)}{jax.process_index()}", "1")
-
-  def peers_gave_up(self) -> list[int]:
-    """The other processes that gave the save being written up (their part is missing)."""
-    client = ocp.multihost.get_jax_distributed_client()
-    return sorted(int(k.rsplit("/", 1)[1]) for k, _ in
-                  client.key_value_dir_get(self._gave_up_folder(self.save))
-                  if int(k.rsplit("/", 1)[1]) != jax.process_index())
-
-
 class Checkpointer:
   """Saves and restores train state, data-iterator state and model config under `directory`."""
 
@@ -165,23 +120,31 @@ class Checkpointer:
   def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
     self.directory = os.path.abspath(directory)
     self.async_save = async_save
-    self.saves: list[dict] = []        # per save: {'step', 'stall_s', 'write_s'}
+    self.saves: list[dict] = []        # per save: {'step', 'stall_s', 'write_s', 'parts'}
     self.restore_s: float | None = None
     self._lock = threading.Lock()
     self._stalled_until = None
     self._checked_step = None          # the newest save whose write was checked
     self._refused: set[int] = set()    # refused saves whose temporary folder may remain
     self._probes = 0                   # saves started (names the processes' agreement)
+    self._launch = None                # the newest async save's launch thread (`save`)
+    self._launch_error = None          # (step, error) if orbax refused to start that save
     # Names of this Checkpointer's keys in jax.distributed's key-value store: its folder and
     # how many Checkpointers of that folder this process made before (the same everywhere).
     made = Checkpointer._made[self.directory] = Checkpointer._made.get(self.directory, 0) + 1
     folder_id = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
     self._kv_prefix = f"mscale_checkpointer/{folder_id}/{made}"
-    self._barriers = _Barriers(self._kv_prefix) if jax.process_count() > 1 else None
+    self._barriers = Barriers(self._kv_prefix) if jax.process_count() > 1 else None
+    os.makedirs(self.directory, exist_ok=True)
     self.set_aside = self._check_newest()
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+        max_to_keep=keep, create=False, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
+        # Naming every process active sends orbax's own barriers in `save` (five a save)
+        # through jax.distributed's barrier rather than a compiled all-device program each,
+        # which on a busy host held the loop for tens of ms a save (experiments/save_stall.py).
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            active_processes=set(range(jax.process_count()))),
         # orbax accepts the write-finished callback only from its async checkpointer.
         # Folders are made before `save` returns, so a directory that refuses them fails the
         # save there (a failure in orbax's background mkdir leaves its threads waiting
@@ -210,7 +173,7 @@ class Checkpointer:
 
   def save(self, step: int, state, data_state: dict, config: Config, *,
            layer_layout: tuple[int, int] = (1, 1)) -> None:
-    """Starts saving step `step` (returns once the arrays are copied off the devices).
+    """Starts saving step `step` (returns once every process agreed and the state is copied).
 
     `layer_layout` (pipeline stages, virtual stages) names the order of the stacked layers
     (`parallel.pipeline.layer_order`), so another layout can restore them. How long the loop
@@ -219,22 +182,81 @@ class Checkpointer:
     CheckpointWriteError (its step) is raised and this one is not started.
     """
     start = time.perf_counter()
+    parts = dict.fromkeys(STALL_PARTS, 0.0)
     self.wait()
     self._remove_refused()
+    waited = time.perf_counter()
     try:
       self._agree(self._can_write())
-      if self._barriers is not None:
-        self._barriers.save = self._probes
-      self._save(step, state, data_state, config, layer_layout)
     except Exception as e:
       raise self._write_error(step, e) from e
-    if not self.async_save:
+    agreed = time.perf_counter()
+    parts.update(wait_previous_s=waited - start, agree_s=agreed - waited)
+    if self._barriers is not None:
+      self._barriers.save = self._probes
+    entry = {"step": step, "stall_s": None, "write_s": None if self.async_save else 0.0,
+             "parts": parts}
+    if self.async_save:   # orbax's synchronous part runs on a copy, off the loop
+      state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, state),
+                             may_alias=False)
+      with self._lock:
+        self.saves.append(entry)
+        self._stalled_until = time.perf_counter()
+      self._launch = threading.Thread(target=self._launch_save, name=f"checkpoint-{step}",
+                                      args=(step, state, data_state, config, layer_layout,
+                                            parts), daemon=True)
+      self._launch.start()
+    else:
+      try:
+        self._orbax_save(step, state, data_state, config, layer_layout, parts)
+      except Exception as e:
+        raise self._write_error(step, e) from e
       self._manifest(step)
+      with self._lock:
+        self.saves.append(entry)
     end = time.perf_counter()
-    with self._lock:
-      self.saves.append({"step": step, "stall_s": end - start,
-                         "write_s": None if self.async_save else 0.0})
-      self._stalled_until = end
+    if self.async_save:
+      parts["copy_s"] = end - agreed
+    entry["stall_s"] = end - start
+
+  def _orbax_save(self, step, state, data_state, config, layer_layout, parts) -> None:
+    """Orbax's synchronous part of the save (directories, barriers, device-to-host copy),
+    timed into `parts`."""
+    start = time.perf_counter()
+    _saving.parts = parts
+    try:
+      self._save(step, state, data_state, config, layer_layout)
+    finally:
+      _saving.parts = None
+      parts["orbax_s"] = time.perf_counter() - start
+
+  def _launch_save(self, step, state, data_state, config, layer_layout, parts) -> None:
+    """The launch thread of an asynchronous save: orbax's synchronous part, on a copy of the
+    state that the loop does not donate; its failure is reported by `check` or `wait`."""
+    try:   # orbax raises a failed write's error once in every thread that waits for it; the
+      self._manager.wait_until_finished()   # loop's thread reported it already (`save`)
+    except Exception:   # noqa: BLE001
+      pass
+    try:
+      self._orbax_save(step, state, data_state, config, layer_layout, parts)
+    except Exception as e:   # noqa: BLE001 (reported on the loop's thread)
+      self._launch_error = (step, e)
+
+  def launched(self) -> None:
+    """Waits for the newest save's launch thread (tens of ms after `save` returned): orbax has
+    then started that save's write, or refused it (reported by `check` or `wait`). Orbax's
+    manager is used by one thread at a time."""
+    if self._launch is not None:
+      self._launch.join()
+      self._launch = None
+
+  def _join_launch(self) -> None:
+    """`launched`, then CheckpointWriteError if orbax refused to start that save."""
+    self.launched()
+    if self._launch_error is not None:
+      (step, error), self._launch_error = self._launch_error, None
+      self._checked_step = step   # reported here, not again by `_check_newest_written`
+      raise self._write_error(step, error) from error
 
   def _can_write(self) -> str:
     """'' if the folder takes a new file, else why not (read-only, full, gone): found now
@@ -259,15 +281,15 @@ class Checkpointer:
 
     Orbax's save waits at barriers for every process, so a process that gave up alone would
     leave its peers there; the answers go through jax.distributed's key-value store (no
-    compiled program)."""
+    compiled program), each read as soon as it is there (a blocking read, not a poll)."""
     self._probes += 1
     if jax.process_count() > 1:
       folder = f"{self._kv_prefix}/probe/{self._probes}/"
       client = ocp.multihost.get_jax_distributed_client()
       client.key_value_set(f"{folder}{jax.process_index()}", problem or "ok")
-      answers = _every_process([folder], 300_000, "write probe")
-      problem = next((f"process {i}: {answers[str(i)]}" for i in range(jax.process_count())
-                      if answers[str(i)] != "ok"), "")
+      answers = [client.blocking_key_value_get(f"{folder}{i}", 300_000)
+                 for i in range(jax.process_count())]
+      problem = next((f"process {i}: {a}" for i, a in enumerate(answers) if a != "ok"), "")
     if problem:
       raise OSError(problem)
 
@@ -278,6 +300,9 @@ class Checkpointer:
     directory refused changes stays, complete; orbax's list is not re-read: that takes a
     barrier of every process, which may find the refusal steps apart. `all_steps` and
     `latest_step` list only the steps on disk.)"""
+    self.launched()
+    if self._launch_error is not None and self._launch_error[0] == step:
+      self._launch_error = None
     self._refused.add(step)
     if self._barriers is not None:   # peers still waiting in its barriers go on
       self._barriers.give_up()
@@ -388,6 +413,7 @@ class Checkpointer:
     """Steps of the complete checkpoints, oldest first: orbax's list, less the steps not on
     disk (still being written, or refused: a process other than 0 keeps a save whose commit
     process 0 refused in orbax's list, which is not re-read, see `discard`)."""
+    self.launched()
     on_disk = set(checkpoint_steps(self.directory))
     return sorted(s for s in self._manager.all_steps() if s in on_disk)
 
@@ -417,6 +443,7 @@ class Checkpointer:
     different mesh from the one the checkpoint was saved on (orbax reshards on load).
     """
     start = time.perf_counter()
+    self.launched()
     state = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"]
     self.restore_s = time.perf_counter() - start
@@ -424,7 +451,11 @@ class Checkpointer:
 
   def check(self) -> None:
     """Raises CheckpointWriteError if a background write has failed since the last call
-    (each failed save once, whichever of `check` and `wait` finds it first)."""
+    (each failed save once, whichever of `check` and `wait` finds it first). A save's launch
+    thread still running is not waited for: it is looked at in the next call."""
+    if self._launch is not None and self._launch.is_alive():
+      return
+    self._join_launch()
     try:
       self._manager.check_for_errors()
     except Exception as e:
@@ -435,6 +466,7 @@ class Checkpointer:
   def wait(self) -> None:
     """Blocks until every started save is on disk (CheckpointWriteError if one failed and
     was not reported yet)."""
+    self._join_launch()
     try:
       self._manager.wait_until_finished()
     except Exception as e:

@@ -71,6 +71,7 @@ if jax.process_index() == 0:   # as the driver does once the refusal is reported
 ocp.multihost.get_jax_distributed_client().wait_at_barrier("writable again", 60_000)
 checkpointer._manifest = manifest
 checkpointer.save(8, state(8), {"position": 8}, Config())   # saved again, as after a rollback
+checkpointer.launched()   # its write started before step 12's is patched
 commits = checkpointer._manager._checkpointer._async_manager   # orbax's background writes
 start_commit = commits.start_async_commit
 

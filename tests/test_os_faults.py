@@ -171,6 +171,7 @@ def test_a_write_refused_in_the_background_is_raised_by_the_next_check(tmp_path,
   monkeypatch.setattr(checkpointer, "_manifest", manifest_then_refuse)
   try:
     _save(checkpointer, 8, _state(8), tiny_config)   # returns; the write goes on behind
+    checkpointer.launched()
     try:
       checkpointer._manager.wait_until_finished()
     except Exception:   # orbax may surface it itself; check must report it either way

@@ -51,9 +51,11 @@ class ReadOnly(Callback):
 
   def on_step_start(self, run, step):
     if self.refuse_commit is not None and step == self.refuse_commit + 1:
+      run.trainer.checkpointer.launched()
       while run.trainer.checkpointer._manager.is_saving_in_progress():
         time.sleep(0.01)   # the refused write ends before the loop looks (found by `check`)
     if step in self.read_only_at:   # between saves: the one before is committed first
+      run.trainer.checkpointer.launched()
       run.trainer.checkpointer._manager.wait_until_finished()
       injector.make_read_only(self.directory)
     if step in self.writable_at:
@@ -91,6 +93,7 @@ def test_a_refused_background_write_is_reported_once(tmp_path, first):
   _refuse_commit(checkpointer, 4)
   checkpointer.save(4, _state(4), {"position": 4}, Config())
   try:
+    checkpointer.launched()
     while checkpointer._manager.is_saving_in_progress():   # the write ends first
       time.sleep(0.01)
     with pytest.raises(CheckpointWriteError, match="checkpoint step 4 could not") as error:
