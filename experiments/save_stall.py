@@ -18,9 +18,12 @@ check's all-gather) waits for the process that came to it last, which without th
 have waited at the next step instead. So `held_s` is taken from every rank's timeline
 (its `checkpoint_stall` spans: the check plus the stall), per save the shortest of the ranks'
 (the last to come waited for no one): what the save itself cost the job; `skew_s` is how far
-apart the ranks came to it. The first save is left out of the medians and means (it compiles
-the check's program and orbax's barrier). The record also names the cadence at which checkpoint stalls plus the replay after faults cost the drill
-least (`cheapest_cadence`, from the mean `held_s` and the step time of this run).
+apart the ranks came to it. `loop_per_step_s` is rank 0's time from the first save's end to
+the last's, per step: steps and saves together (a background write that slowed the steps
+beside it would show there). The first save is left out of the medians and means (it compiles
+the check's program and orbax's barrier). The record also names the cadence at which
+checkpoint stalls plus the replay after faults cost the drill least (`cheapest_cadence`, from
+the mean `held_s` and this run's step time).
 """
 import glob
 import json
@@ -32,7 +35,10 @@ import tempfile
 from absl import app, flags
 
 from experiments import job, results
-from mscale_jax.checkpoint import STALL_PARTS
+# The parts Checkpointer.saves splits a save into (mscale_jax/checkpoint.py, STALL_PARTS); the
+# figures name those the measured code recorded, so an older tree can be measured too.
+STALL_PARTS = ("wait_previous_s", "agree_s", "copy_s", "orbax_s", "orbax_barriers_s",
+               "orbax_d2h_s")
 
 FLAGS = flags.FLAGS
 
@@ -60,6 +66,10 @@ def main(argv):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     logged = [json.loads(line) for line in f]
   step_s = statistics.median(r["step_time_s"] for r in logged[1:])
+  # Steps and saves together, past the first save (rank 0): what the background write costs
+  # the steps beside it shows here, not in `held_s`.
+  first, last = min(spans), max(spans)
+  per_step_s = (spans[last][0][1] - spans[first][0][1]) / (last - first)
 
   def summarize(values):
     values = list(values)
@@ -73,8 +83,10 @@ def main(argv):
       "skew_s": summarize(s["skew_s"] for s in later),
       "replica_check_s": summarize(s.get("replica_check_s", 0.0) for s in later),
       "stall_s": summarize(s["stall_s"] for s in later),
-      "parts": {p: summarize(s["parts"][p] for s in later) for p in STALL_PARTS},
+      "parts": {p: summarize(s["parts"][p] for s in later)
+                for p in STALL_PARTS if all(p in s.get("parts", {}) for s in later)},
       "median_step_s": step_s,
+      "loop_per_step_s": per_step_s,
       "cadence": cadence_costs(statistics.mean(s["held_s"] for s in later), step_s,
                                FLAGS.faults_per_hour),
       "mesh": summary["mesh"],
@@ -102,7 +114,7 @@ def cadence_costs(held_s: float, step_s: float, faults_per_hour: float) -> dict:
 def _stall_spans(workdir: str) -> dict[int, list[tuple[float, float]]]:
   """{step: [(start, end) of its `checkpoint_stall` span on each rank]} from the timeline
   (every rank's clock is this machine's)."""
-  spans = {}
+  spans = {}   # rank 0's first
   for path in sorted(glob.glob(os.path.join(workdir, "timeline", "rank*.jsonl"))):
     with open(path) as f:
       for record in map(json.loads, f):
