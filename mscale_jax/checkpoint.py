@@ -13,19 +13,20 @@ donate the originals); orbax's synchronous part (its directories and barriers, t
 device-to-host copy of that copy) runs on a launch thread and its write in orbax's threads.
 (Orbax's barriers go through jax.distributed, not compiled programs, so a launch thread never
 runs a collective program beside the loop's.) The copy holds one more state's device memory
-for the launch's tens of milliseconds. Orbax writes into a temporary directory and renames it
+for the launch (~0.3 s on the main job). Orbax writes into a temporary directory and renames it
 when complete, so a run killed mid-save leaves the previous checkpoint as the latest; leftover
 temporary directories are removed on the next start.
 
 When a save's files are written, process 0 adds a checksum manifest to its folder
-(`files.write_manifest`: size and SHA-256 of every file of its items) before orbax commits it. On start, a checkpoint whose files no
-longer match their manifest (bit rot, a bad disk, a torn copy) is set aside into
-WORKDIR/checkpoints_corrupt/ with a warning, and the previous complete one becomes the latest:
-nothing is deleted, nothing corrupt is restored. A save that cannot be written (a read-only or
-full disk) raises `CheckpointWriteError` naming the step, the folder and the checkpoint that
-stays the latest; orbax's temporary folder never counts as a checkpoint, and `discard` removes
-it (at once, or before the next save where the folder still refuses changes). Every process
-agrees whether a save can start (`_agree`), so that none enters orbax's collective save alone.
+(`files.write_manifest`: size and SHA-256 of every file of its items) before orbax commits it.
+On start, a checkpoint whose files no longer match their manifest (bit rot, a bad disk, a torn
+copy) is set aside into WORKDIR/checkpoints_corrupt/ with a warning (`files.set_aside_corrupt`),
+and the previous complete one becomes the latest: nothing is deleted, nothing corrupt restored.
+A save that cannot be written (a read-only or full disk) raises `CheckpointWriteError` naming
+the step, the folder and the checkpoint that stays the latest; orbax's temporary folder never
+counts as a checkpoint, and `discard` removes it (at once, or before the next save where the
+folder still refuses changes). Every process agrees whether a save can start (`_agree`), so
+that none enters orbax's collective save alone.
 
 Every save's two stages are timed (MegaScale's two-stage checkpointing): `stall_s`, how long
 `save` held the training loop (agreement and device copy, and waiting for a previous save still
@@ -48,7 +49,7 @@ import orbax.checkpoint as ocp
 from mscale_jax.checkpoint_barriers import Barriers
 from mscale_jax.config import Config
 from mscale_jax.errors import ConfigError
-from mscale_jax.files import checkpoint_steps, verify_manifest, write_manifest
+from mscale_jax.files import checkpoint_steps, set_aside_corrupt, write_manifest
 
 log = logging.getLogger("mscale_jax")
 
@@ -66,12 +67,13 @@ ITEMS = ("state", "data", "meta")
 
 # Where a save's time goes (`Checkpointer.saves[i]['parts']`, seconds). On the loop: waiting for
 # the previous save's write, the write probe and every process's agreement, and (asynchronous
-# saves) copying the state into fresh device buffers and starting the launch thread. Orbax's
-# synchronous part, of which (as orbax reports them through jax.monitoring, on the thread
-# making the save) its barriers between processes and the device-to-host copy, runs on that
-# launch thread, off the loop (asynchronous saves; on the loop for synchronous ones).
-STALL_PARTS = ("wait_previous_s", "agree_s", "copy_s", "orbax_s", "orbax_barriers_s",
-               "orbax_d2h_s")
+# saves) copying the state into fresh device buffers and starting the launch thread. On that
+# launch thread, off the loop (asynchronous saves; on the loop for synchronous ones): the
+# save's `verify` (the replica check's verdict), then orbax's synchronous part, of which (as
+# orbax reports them through jax.monitoring, on the thread making the save) its barriers
+# between processes and the device-to-host copy.
+STALL_PARTS = ("wait_previous_s", "agree_s", "copy_s", "verify_s", "orbax_s",
+               "orbax_barriers_s", "orbax_d2h_s")
 _ORBAX_EVENTS = {"/jax/checkpoint/sync_global_devices_duration_sec": "orbax_barriers_s",
                  "/jax/orbax/write/blocking_d2h_duration_secs": "orbax_d2h_s"}
 _saving = threading.local()   # .parts: the parts of the save this thread is making
@@ -101,22 +103,6 @@ class CheckpointWriteError(RuntimeError):
 TMP_MARK = ".orbax-checkpoint-tmp"   # orbax's temporary folder: STEP + TMP_MARK + suffix
 
 
-def set_aside_corrupt(directory: str) -> list[dict]:
-  """Moves checkpoints under `directory` that fail their manifest, newest first until one holds,
-  into a sibling folder 'checkpoints_corrupt'; returns [{'step', 'problem', 'moved_to'}]."""
-  moved = []
-  for step in checkpoint_steps(directory):
-    problem = verify_manifest(os.path.join(directory, str(step)))
-    if problem is None:
-      break
-    target = os.path.join(os.path.dirname(directory), "checkpoints_corrupt",
-                          f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    os.replace(os.path.join(directory, str(step)), target)
-    moved.append({"step": step, "problem": problem, "moved_to": target})
-  return moved
-
-
 class Checkpointer:
   """Saves and restores train state, data-iterator state and model config under `directory`."""
 
@@ -133,7 +119,7 @@ class Checkpointer:
     self._refused: set[int] = set()    # refused saves whose temporary folder may remain
     self._probes = 0                   # saves started (names the processes' agreement)
     self._launch = None                # the newest async save's launch thread (`save`)
-    self._launch_error = None          # (step, error) if orbax refused to start that save
+    self._launch_error = None          # (step, error, refused by orbax) if that save stopped
     # Names of this Checkpointer's keys in jax.distributed's key-value store: its folder and
     # how many Checkpointers of that folder this process made before (the same everywhere).
     made = Checkpointer._made[self.directory] = Checkpointer._made.get(self.directory, 0) + 1
@@ -177,14 +163,17 @@ class Checkpointer:
     return next(iter(reversed(self.all_steps())), None)
 
   def save(self, step: int, state, data_state: dict, config: Config, *,
-           layer_layout: tuple[int, int] = (1, 1)) -> None:
+           layer_layout: tuple[int, int] = (1, 1), verify=None) -> None:
     """Starts saving step `step` (returns once every process agreed and the state is copied).
 
     `layer_layout` (pipeline stages, virtual stages) names the order of the stacked layers
     (`parallel.pipeline.layer_order`), so another layout can restore them. How long the loop
     was held (`stall_s`) and the background write took (`write_s`) go to `self.saves`.
     A previous save still being written is waited for first: if it failed, its
-    CheckpointWriteError (its step) is raised and this one is not started.
+    CheckpointWriteError (its step) is raised and this one is not started. `verify()`, if
+    given, runs before orbax starts (on the launch thread of an asynchronous save): an error
+    it raises (a replica check's verdict) stops the save, and `check` or `wait` raises it as
+    it is; it must give every process the same answer, so that none starts orbax alone.
     """
     start = time.perf_counter()
     parts = dict.fromkeys(STALL_PARTS, 0.0)
@@ -208,9 +197,12 @@ class Checkpointer:
         self._stalled_until = time.perf_counter()
       self._launch = threading.Thread(target=self._launch_save, name=f"checkpoint-{step}",
                                       args=(step, state, data_state, config, layer_layout,
-                                            parts), daemon=True)
+                                            parts, verify), daemon=True)
       self._launch.start()
+      parts["copy_s"] = time.perf_counter() - agreed
     else:
+      if verify is not None:
+        verify()
       try:
         self._orbax_save(step, state, data_state, config, layer_layout, parts)
       except Exception as e:
@@ -218,10 +210,7 @@ class Checkpointer:
       self._manifest(step)
       with self._lock:
         self.saves.append(entry)
-    end = time.perf_counter()
-    if self.async_save:
-      parts["copy_s"] = end - agreed
-    entry["stall_s"] = end - start
+    entry["stall_s"] = time.perf_counter() - start
 
   def _orbax_save(self, step, state, data_state, config, layer_layout, parts) -> None:
     """Orbax's synchronous part of the save (directories, barriers, device-to-host copy),
@@ -234,9 +223,20 @@ class Checkpointer:
       _saving.parts = None
       parts["orbax_s"] = time.perf_counter() - start
 
-  def _launch_save(self, step, state, data_state, config, layer_layout, parts) -> None:
-    """The launch thread of an asynchronous save: orbax's synchronous part, on a copy of the
-    state that the loop does not donate; its failure is reported by `check` or `wait`."""
+  def _launch_save(self, step, state, data_state, config, layer_layout, parts,
+                   verify) -> None:
+    """The launch thread of an asynchronous save: `verify`, then orbax's synchronous part, on
+    a copy of the state that the loop does not donate; a failure is reported by `check` or
+    `wait`."""
+    if verify is not None:
+      start = time.perf_counter()
+      try:
+        verify()
+      except Exception as e:   # noqa: BLE001 (raised as it is on the loop's thread)
+        self._launch_error = (step, e, False)
+        return
+      finally:
+        parts["verify_s"] = time.perf_counter() - start
     try:   # orbax raises a failed write's error once in every thread that waits for it; the
       self._manager.wait_until_finished()   # loop's thread reported it already (`save`)
     except Exception:   # noqa: BLE001
@@ -244,7 +244,7 @@ class Checkpointer:
     try:
       self._orbax_save(step, state, data_state, config, layer_layout, parts)
     except Exception as e:   # noqa: BLE001 (reported on the loop's thread)
-      self._launch_error = (step, e)
+      self._launch_error = (step, e, True)
 
   def launched(self) -> None:
     """Waits for the newest save's launch thread (tens of ms after `save` returned): orbax has
@@ -258,8 +258,10 @@ class Checkpointer:
     """`launched`, then CheckpointWriteError if orbax refused to start that save."""
     self.launched()
     if self._launch_error is not None:
-      (step, error), self._launch_error = self._launch_error, None
+      (step, error, refused), self._launch_error = self._launch_error, None
       self._checked_step = step   # reported here, not again by `_check_newest_written`
+      if not refused:
+        raise error
       raise self._write_error(step, error) from error
 
   def _can_write(self) -> str:

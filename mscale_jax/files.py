@@ -4,6 +4,7 @@ complete checkpoints in a checkpoint folder."""
 import hashlib
 import json
 import os
+import time
 
 MANIFEST = "manifest.json"
 
@@ -72,3 +73,19 @@ def checkpoint_steps(directory: str) -> list[int]:
   if not os.path.isdir(directory):
     return []
   return sorted((int(d) for d in os.listdir(directory) if d.isdigit()), reverse=True)
+
+
+def set_aside_corrupt(directory: str) -> list[dict]:
+  """Moves checkpoints under `directory` that fail their manifest, newest first until one holds,
+  into a sibling folder 'checkpoints_corrupt'; returns [{'step', 'problem', 'moved_to'}]."""
+  moved = []
+  for step in checkpoint_steps(directory):
+    problem = verify_manifest(os.path.join(directory, str(step)))
+    if problem is None:
+      break
+    target = os.path.join(os.path.dirname(directory), "checkpoints_corrupt",
+                          f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.replace(os.path.join(directory, str(step)), target)
+    moved.append({"step": step, "problem": problem, "moved_to": target})
+  return moved

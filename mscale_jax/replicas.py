@@ -119,30 +119,46 @@ def _replica_groups(sharding, shape) -> list[tuple[tuple, list]]:
   return [(b, sorted(ds, key=lambda d: d.id)) for b, ds in groups.items() if len(ds) > 1]
 
 
-def checksums(tree) -> tuple[list, list, np.ndarray]:
-  """(paths, arrays, table) of `tree`'s replicated jax.Arrays laid out with a NamedSharding on
-  one mesh; `table[device id]` is that device's [num_arrays, 2] checksums (every process gets
-  the whole table: a collective that every process must call)."""
+def _dispatch(tree):
+  """(paths, arrays, mesh, table) of `tree`'s replicated arrays, the table's program dispatched
+  (not waited for): a collective that every process must call at the same point."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   chosen = [(jax.tree_util.keystr(path), x) for path, x in flat
             if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
             and _replica_groups(x.sharding, x.shape)]
   if not chosen:
-    return [], [], np.zeros((0, 0, 2), np.uint32)
+    return [], [], None, None
   mesh = chosen[0][1].sharding.mesh
   chosen = [(p, x) for p, x in chosen if x.sharding.mesh == mesh]
   paths, arrays = [p for p, _ in chosen], [x for _, x in chosen]
   program = _program(mesh, tuple((x.shape, x.dtype, x.sharding) for x in arrays))
-  table = np.asarray(program(*arrays))
+  return paths, arrays, mesh, program(*arrays)
+
+
+def _read(paths, arrays, mesh, table) -> tuple[list, list, np.ndarray]:
+  """`checksums`' answer from `_dispatch`'s (waits for the table)."""
+  if mesh is None:
+    return [], [], np.zeros((0, 0, 2), np.uint32)
+  table = np.asarray(table)
   by_device = np.zeros((max(d.id for d in mesh.devices.flat) + 1, len(arrays), 2), np.uint32)
   for position, device in np.ndenumerate(mesh.devices):
     by_device[device.id] = table[position]
   return paths, arrays, by_device
 
 
+def checksums(tree) -> tuple[list, list, np.ndarray]:
+  """(paths, arrays, table) of `tree`'s replicated jax.Arrays laid out with a NamedSharding on
+  one mesh; `table[device id]` is that device's [num_arrays, 2] checksums (every process gets
+  the whole table: a collective that every process must call)."""
+  return _read(*_dispatch(tree))
+
+
 def divergences(tree) -> list[Divergence]:
   """The blocks of `tree`'s replicated arrays whose replicas do not hold the same bits."""
-  paths, arrays, table = checksums(tree)
+  return _divergences(*checksums(tree))
+
+
+def _divergences(paths, arrays, table) -> list[Divergence]:
   found = []
   for i, (path, x) in enumerate(zip(paths, arrays)):
     for block, devices in _replica_groups(x.sharding, x.shape):
@@ -160,6 +176,18 @@ def check(tree, step: int | None = None) -> None:
   """Raises ReplicaDivergenceError if any replicated array of `tree` has replicas that differ.
 
   Call it on every process at the same point (it is a collective)."""
-  found = divergences(tree)
-  if found:
-    raise ReplicaDivergenceError(step, found)
+  start_check(tree)(step)
+
+
+def start_check(tree):
+  """Dispatches `check`'s program on `tree` now (call it on every process at the same point: a
+  collective) and returns the function that reads its verdict: `verdict(step)` raises
+  ReplicaDivergenceError as `check` does. The verdict may be read later, on any thread (the
+  table is read, no program is dispatched), so the check's program runs beside other work."""
+  dispatched = _dispatch(tree)
+
+  def verdict(step: int | None = None) -> None:
+    found = _divergences(*_read(*dispatched))
+    if found:
+      raise ReplicaDivergenceError(step, found)
+  return verdict

@@ -151,6 +151,34 @@ class FlipAfter(Callback):
       run.state = {**run.state, "params": jax.tree.unflatten(treedef, leaves)}
 
 
+class Steps(Callback):
+  """The steps that were dispatched."""
+
+  def __init__(self):
+    self.dispatched = []
+
+  def on_step_dispatched(self, run, step, metrics):
+    self.dispatched.append(step)
+
+
+def test_a_save_before_the_last_reads_its_verdict_off_the_loop_and_is_not_written(
+    tiny_config, tmp_path):
+  """Step 8's check runs beside the next step and stops that save before orbax starts it;
+  the error comes at a later step (or save), names step 8, and no step-8 checkpoint exists."""
+  config = tiny_config(mesh=dict(data=4, tensor=2),
+                       train=dict(steps=16, global_batch=8, log_every=2, eval_every=16,
+                                  checkpoint_every=4))
+  steps = Steps()
+  trainer = Trainer(config, tmp_path, show_progress=False,
+                    callbacks=[FlipAfter(6, device_id=5), steps])
+  with pytest.raises(replicas.ReplicaDivergenceError, match="at step 8") as e:
+    trainer.train()
+  assert e.value.culprit == 0
+  assert 8 < steps.dispatched[-1] <= 12   # found after the save, by the next save at the latest
+  assert trainer.checkpointer.all_steps() == [4]
+  assert not [d for d in os.listdir(trainer.checkpointer.directory) if d.startswith("8")]
+
+
 @pytest.mark.slow   # two trainer runs
 def test_a_divergent_state_is_not_saved_and_the_previous_checkpoint_stays_latest(
     tiny_config, tmp_path):

@@ -10,6 +10,7 @@ save tries again. `train.max_refused_saves` refusals in a row raise the error: t
 and the driver restarts it from the latest checkpoint. The last save, which the run ends on,
 is not retried: its refusal is raised.
 """
+import functools
 import logging
 import time
 
@@ -23,21 +24,27 @@ log = logging.getLogger("mscale_jax")
 class Checkpointing(Callback):
   """Saves the train state, the data iterator's position and the config at `on_save`, after
   checking that its replicated arrays agree on every replica (`train.check_replicas`,
-  mscale_jax/replicas.py): a divergent state raises ReplicaDivergenceError and is not saved."""
+  mscale_jax/replicas.py): a divergent state raises ReplicaDivergenceError and is not saved.
+  The check's program is dispatched at the save and its verdict read on the save's launch
+  thread before orbax starts (Checkpointer.save's `verify`), so the loop does not wait for it;
+  a divergence is then raised at the next step (`check`) or save. The run's last save, with
+  no step after it, reads the verdict at once."""
 
   def __init__(self):
     self.refused: list[int] = []   # refused saves since the newest complete checkpoint
 
   def on_save(self, run, step):
     t = run.trainer
-    start = time.perf_counter()
-    if t.config.train.check_replicas:
+    start, verify = time.perf_counter(), None
+    if t.config.train.check_replicas and step >= run.end:
       replicas.check(run.state, step)
+    elif t.config.train.check_replicas:
+      verify = functools.partial(replicas.start_check(run.state), step)
     checked_s = time.perf_counter() - start
     for _ in range(2):   # the previous save's failed write is raised first, then this one runs
       try:
         t.checkpointer.save(step, run.state, t.train_iter.get_state(), t.config,
-                            layer_layout=t.layer_layout)
+                            layer_layout=t.layer_layout, verify=verify)
       except CheckpointWriteError as error:
         self._refused(run, error.step, error)
         if error.step == step:
