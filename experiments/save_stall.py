@@ -6,16 +6,21 @@ Runs gpt_tiny as the fault drill does (2 processes x 4 CPU devices under the lau
 data=2 x tensor=4, an asynchronous save every `checkpoint_every` steps) and reads process 0's
 per-save figures from its summary.json (mscale_jax/checkpoint.py, `Checkpointer.saves`):
 
-  replica_check_s   the replica-consistency check before the save (callbacks/checkpointing.py)
+  replica_check_s   the replica-consistency check before the save, on the loop
+                    (callbacks/checkpointing.py; since its verdict is read off the loop,
+                    dispatching its program)
   stall_s           how long `Checkpointer.save` then held the loop, split into `parts`:
     wait_previous_s   waiting for the previous save's background write
     agree_s           the write probe and every process's agreement that the save can start
+    copy_s            copying the state into fresh device buffers, starting the launch thread
+  and, on the launch thread, off the loop:
+    verify_s          reading the replica check's verdict
     orbax_s           orbax's synchronous part, of which orbax_barriers_s (its barriers between
                       processes) and orbax_d2h_s (the device-to-host copy)
 
-Process 0's figures hold the skew between processes too: the first collective of a save (the
-check's all-gather) waits for the process that came to it last, which without the save would
-have waited at the next step instead. So `held_s` is taken from every rank's timeline
+Process 0's figures hold the skew between processes too: the first wait for every process in a
+save (the check's all-gather, or the agreement) waits for the process that came to it last,
+which without the save would have waited at the next step instead. So `held_s` is taken from every rank's timeline
 (its `checkpoint_stall` spans: the check plus the stall), per save the shortest of the ranks'
 (the last to come waited for no one): what the save itself cost the job; `skew_s` is how far
 apart the ranks came to it. `loop_per_step_s` is rank 0's time from the first save's end to
@@ -37,8 +42,8 @@ from absl import app, flags
 from experiments import job, results
 # The parts Checkpointer.saves splits a save into (mscale_jax/checkpoint.py, STALL_PARTS); the
 # figures name those the measured code recorded, so an older tree can be measured too.
-STALL_PARTS = ("wait_previous_s", "agree_s", "copy_s", "orbax_s", "orbax_barriers_s",
-               "orbax_d2h_s")
+STALL_PARTS = ("wait_previous_s", "agree_s", "copy_s", "verify_s", "orbax_s",
+               "orbax_barriers_s", "orbax_d2h_s")
 
 FLAGS = flags.FLAGS
 

@@ -13,6 +13,8 @@ position-weighted sum of the bits: any single changed element changes the weight
 all-gathers that small table to every device; every process takes the same path and reaches
 the same verdict. The program goes through the per-process compile cache
 (mscale_jax/compile_cache.py), so a restarted job loads it instead of compiling it again.
+`start_check` dispatches the program and leaves its verdict to be read later (the trainer reads
+it on the save's launch thread, before orbax starts: callbacks/checkpointing.py).
 """
 import dataclasses
 import functools
