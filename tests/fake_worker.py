@@ -4,6 +4,10 @@
   FAKE_PLAN = {"steps": 8, "step_s": 0.05, "checkpoint_every": 2,
                "misbehave": [{"attempt": 0, "rank": 1, "step": 5, "do": "exit"}, ...]}
 
+Healthy but slow steps, on every rank of every attempt: `save_s` (each save's stall, in phase
+'checkpointing'), `eval_every` and `eval_s` (an evaluation, in phase 'evaluating'),
+`slow_every` and `slow_s` (a step in the training phase that takes `slow_s`, as on a loaded box).
+
 `do`: exit (status 1), failure (reports an exception at the step, then exits 1), fatal (prints
 a fatal log line and stays alive), hang (stops in its host phase; its peers wait in 'sync'),
 straggle (its host phase takes most of every step), malformed (also posts broken heartbeats
@@ -84,9 +88,13 @@ def worker(workdir):
                                     "failure": "notadict"}).encode())
       _post_raw(client, b'{"rank": 0, "host": ')
     host_s = 0.8 * step_s if mine.get("every") == "straggle" else 0.05 * step_s
-    time.sleep(step_s)
+    time.sleep(plan["slow_s"] if step % plan.get("slow_every", 10**9) == 0 else step_s)
     barrier(workdir, attempt, step, rank)
     phases.completed.append([step, {"host": host_s, "sync": step_s - host_s}])
+    if step % plan.get("eval_every", 10**9) == 0:
+      stall(client, events.EVALUATING, plan["eval_s"])
+    if step % plan.get("checkpoint_every", 10**9) == 0:
+      stall(client, events.CHECKPOINTING, plan.get("save_s", 0.0))
     if rank == 0 and step % plan.get("checkpoint_every", 10**9) == 0:
       try:
         os.makedirs(os.path.join(workdir, "checkpoints", str(step)), exist_ok=True)
@@ -98,6 +106,14 @@ def worker(workdir):
     client.progress(step, 3.0 - 0.1 * step, 1.0, 0.0)
     client.post()
   client.close(events.DONE)
+
+
+def stall(client, phase, seconds):
+  """A save or an evaluation: `seconds` in `phase` (reported), then back to training."""
+  if seconds:
+    client.phase(phase)
+    time.sleep(seconds)
+    client.phase(events.TRAINING)
 
 
 def barrier(workdir, attempt, step, rank):
