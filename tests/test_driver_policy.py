@@ -16,6 +16,7 @@ from experiments import job
 pytestmark = pytest.mark.slow
 
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_worker.py")
+REPO = os.path.dirname(os.path.dirname(FAKE))
 
 
 def drive(tmp_path, plan: dict, timeout_s: float = 60, **options):
@@ -25,8 +26,9 @@ def drive(tmp_path, plan: dict, timeout_s: float = 60, **options):
              "hang_timeout_s": 3.0, "hang_step_factor": 1.0, "startup_timeout_s": 30.0,
              "standby": False, "self_check": False, "status_every_s": 0, "poll_s": 0.05,
              **options}
-  env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", FAKE_PLAN=json.dumps({"steps": 8, "step_s": 0.05,
-                                               "checkpoint_every": 2, **plan}))
+  env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+             PYTHONPATH=os.pathsep.join([os.path.dirname(FAKE), REPO]),   # python -m fake_worker
+             FAKE_PLAN=json.dumps({"steps": 8, "step_s": 0.05, "checkpoint_every": 2, **plan}))
   proc = subprocess.Popen([sys.executable, FAKE, "driver", json.dumps(options)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
@@ -224,3 +226,19 @@ def test_slow_saves_evaluations_and_steps_are_no_hang_but_a_real_hang_is_caught_
   limit = float(failure["detail"].split("(limit ")[1].split(" s)")[0])
   assert 2.0 <= limit < 20 * 0.6, failure["detail"]
   assert report["final_step"] == 40
+
+
+def test_the_group_after_a_failed_self_check_starts_from_warm_standbys_too(tmp_path):
+  """Rank 1 exits at step 5; the restarted group (warm standbys) self-checks and fails slot 1,
+  so it exits before training; the next group, on slots [0, 2], must start warm as well: the
+  pool is refilled only once a group trains, so it held two groups' processes."""
+  plan = {"misbehave": misbehave((0, 1, 5, "exit")), "bad_slots": [1]}
+  status, report, output = drive(tmp_path, plan, worker_command=[sys.executable, "-m",
+                                                                 "fake_worker"],
+                                 standby=True, self_check=True, spare_slots=1, timeout_s=150)
+  assert status == 0 and report["completed"], output[-2000:]
+  assert [(a["slots"], a["failure"], a["warm_processes"]) for a in report["attempts"]] == [
+      ([0, 1], "exited", 0), ([0, 1], "self_check_failed", 2), ([0, 2], None, 2)], output[-2000:]
+  assert list(report["excluded_slots"]) == ["1"]
+  (failure,) = report["failures"]
+  assert list(failure["diagnosis"]["excluded"]) == ["1"]

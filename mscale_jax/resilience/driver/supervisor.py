@@ -145,7 +145,10 @@ class Driver:
     self._serve_heartbeats()
     start, attempt0 = self._resume()
     warm = self.o.standby and self.o.max_restarts > 0
-    self.pool = StandbyPool(self.o.worker_command, self.o.num_processes if warm else 0,
+    # Refilled once a group trains; a group whose self-check fails a slot exits before it does,
+    # so with self-checks the pool holds the processes of the group after that one too.
+    size = self.o.num_processes * (2 if self.o.self_check else 1) if warm else 0
+    self.pool = StandbyPool(self.o.worker_command, size,
                             dict(os.environ, XLA_FLAGS=self._xla_flags()),
                             os.path.join(self.workdir, "logs"))
     outcome = "failed"
