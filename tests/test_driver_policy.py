@@ -207,7 +207,7 @@ def test_once_the_step_time_is_known_a_hang_is_caught_far_inside_the_long_floor(
   assert 2.0 <= limit < 60.0, failure["detail"]
 
 
-def test_slow_saves_evaluations_and_steps_are_no_hang_but_a_real_hang_is_caught_near_the_steady_step(
+def test_slow_saves_evaluations_and_steps_are_no_hang_but_a_hang_is_caught_near_the_steady_step(
     tmp_path):
   """A healthy job's slow moments: every save takes 2.5 s ('checkpointing') and every other
   save an evaluation as long ('evaluating'), both past the limit (2 s here); every 7th step is

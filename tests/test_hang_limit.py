@@ -52,3 +52,26 @@ def test_earlier_groups_step_times_count_and_a_lower_user_limit_is_kept(tmp_path
   assert d.hang_limit(group) == 4.0    # --hang_timeout_s=4 is never raised to the 10 s floor
   assert driver(tmp_path, hang_floor_s=2.0, hang_step_factor=1.0).hang_limit(
       _Group(0, [0])) == 60.0           # no step time yet
+
+
+def test_a_new_step_counts_from_when_it_was_checked_a_new_phase_from_when_it_came(tmp_path):
+  """The hang clock of a rank (Driver._note_progress): heartbeats come every few seconds, so a
+  step reported by one that came 1.5 s after the step was checked (its step_age_s) counts from
+  1.5 s before it came; a phase change (sent at once) from when it came; never before the rank's
+  previous change."""
+  from mscale_jax.resilience import events
+  d, group = driver(tmp_path), _Group(0, [0])
+  group.started = 90.0
+
+  def hear(received, **beat):
+    d._note_progress(group, {0: (events.Heartbeat(rank=0, host="h", pid=1, **beat), received)})
+    return group.progress[0]
+
+  assert hear(100.0, phase=events.TRAINING, step=5, step_age_s=0.4) == (5, events.TRAINING, 100.0)
+  assert hear(103.0, phase=events.TRAINING, step=6, step_age_s=1.5) == (6, events.TRAINING, 101.5)
+  assert hear(104.0, phase=events.TRAINING, step=6, step_age_s=2.5) == (6, events.TRAINING, 101.5)
+  assert hear(105.0, phase=events.CHECKPOINTING, step=6, step_age_s=3.5) == \
+      (6, events.CHECKPOINTING, 105.0)
+  assert hear(106.0, phase=events.CHECKPOINTING, step=7, step_age_s=9.0) == \
+      (7, events.CHECKPOINTING, 105.0)   # an age past the previous change: from that change
+  assert hear(108.0, phase=events.CHECKPOINTING, step=8) == (8, events.CHECKPOINTING, 108.0)

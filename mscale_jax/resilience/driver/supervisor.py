@@ -381,7 +381,10 @@ class Driver:
     for rank, (beat, received) in beats.items():
       step, phase, since = group.progress.get(rank, (None, None, group.started))
       if (beat.step, beat.phase) != (step, phase):
-        group.progress[rank] = (beat.step, beat.phase, received)
+        # A new step counts from when the worker checked it, not from when the (periodic)
+        # heartbeat saying so came; a new phase from when it came (it is sent at once).
+        age = (beat.step_age_s or 0.0) if beat.phase == phase else 0.0
+        group.progress[rank] = (beat.step, beat.phase, max(received - age, since))
         if beat.step_time_s and beat.phase == events.TRAINING and beat.step != step:
           group.step_times.append(beat.step_time_s)
       if beat.step > group.max_step:
