@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -92,6 +93,10 @@ def test_heartbeats_reach_the_server_and_carry_the_failure():
     beat, _ = server.latest()[1]
     assert (beat.rank, beat.attempt, beat.slot, beat.phase, beat.step, beat.loss) == \
         (1, 2, 3, events.TRAINING, 7, 2.5)
+    time.sleep(0.2)
+    hooks.post()   # a later heartbeat, no new step: how long ago step 7 was checked
+    beat, _ = server.latest()[1]
+    assert beat.step == 7 and beat.step_age_s >= 0.2
     assert beat.pid == os.getpid() and beat.host == socket.gethostname()
     hooks.failure(events.EXCEPTION, "RuntimeError: boom", step=8)
     beat, _ = server.latest()[1]
