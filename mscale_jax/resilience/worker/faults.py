@@ -139,8 +139,9 @@ def nan_program(tree, shardings, mesh):
   import jax
   import jax.numpy as jnp
   from mscale_jax import compile_cache
-  fill = jax.jit(lambda t: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), t),
-                 out_shardings=shardings)
+  def nan_fill(t):
+    return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), t)
+  fill = jax.jit(nan_fill, out_shardings=shardings)
   program, _ = compile_cache.load_or_lower(fill.lower, (tree,), "nan_fill", mesh,
                                            f"nan fill, out_shardings {shardings!r}")
   return program
