@@ -229,7 +229,7 @@ def _read_cached(path: str) -> Corpus | None:
     log.warning("corpus cache: could not read %s (%s: %s); reading the files", path,
                 type(e).__name__, e)
     return None
-  log.info("corpus %s (cached in %s)", description, os.path.dirname(path))
+  log.info("corpus tokens read back from %s", path)
   return Corpus(train, heldout, description, kind="stdlib", eod=SEPARATOR)
 
 
