@@ -13,8 +13,8 @@ gives the group's start to the end of its first step and its parts, the group's 
 among them (experiments/drill_accounting.py `restart_phases`), and `after_start_up_s`, the
 same without Python's and JAX's start-up (the noisiest part, untouched by the pre-key); rank
 0's log says how the cache served the train step; `first_check_s` is the restarted group's
-first replica check (its program is pre-keyed too). `saved_per_restart_s`: per trial, the arm without the
-pre-key minus the arm with it.
+first replica check (its program is pre-keyed too). `saved_per_restart_s`: per trial, the
+arm without the pre-key minus the arm with it.
 """
 import json
 import os
