@@ -114,6 +114,35 @@ def test_a_restarted_groups_self_check_loads_its_collectives_from_the_compile_ca
     jax.config.update("jax_compilation_cache_dir", previous)
 
 
+def test_a_process_waits_for_the_coordinator_to_open_and_names_one_that_never_does():
+  import threading
+  from mscale_jax.resilience.worker.distributed import wait_for_coordinator
+  probe = socket.socket()
+  probe.bind(("127.0.0.1", 0))
+  port = probe.getsockname()[1]
+  probe.close()                           # nothing listens there yet
+  with pytest.raises(ConfigError, match="coordinator"):
+    wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=0.3)
+  listener, accepted = socket.socket(), []
+
+  def open_late():
+    time.sleep(0.3)                       # the coordinator opens while the other one polls
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    listener.settimeout(10)
+    accepted.append(listener.accept()[0])
+
+  opener = threading.Thread(target=open_late)
+  opener.start()
+  try:
+    wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=10)
+    opener.join()
+    assert accepted                       # it returned because a connection went through
+  finally:
+    for s in accepted + [listener]:
+      s.close()
+
+
 # -- heartbeats over HTTP ----------------------------------------------------------------------
 
 def test_heartbeats_reach_the_server_and_carry_the_failure():
