@@ -98,8 +98,9 @@ class Trainer:
     # Block parameters are stored in the pipeline's layer order (identity without one).
     stages = mesh_shape["stage"]
     self.layer_layout = (stages, config.pipeline.virtual_stages if stages > 1 else 1)
-    # Where the driver gives its workers a compile cache folder (restarts reuse it), the
-    # stdlib corpus's tokens are kept beside it too: a restart does not read ~1,800 files.
+    # Where a compile cache folder is configured (the driver gives its workers one, which
+    # restarts reuse), the stdlib corpus's tokens are kept beside it: a restarted process
+    # does not read ~1,800 files again.
     cache = jax.config.jax_compilation_cache_dir
     self.corpus = data_lib.load_corpus(config.data, config.model.vocab_size,
                                        cache_dir=cache and os.path.join(cache, "corpus"))

@@ -139,6 +139,7 @@ def nan_program(tree, shardings, mesh):
   import jax
   import jax.numpy as jnp
   from mscale_jax import compile_cache
+
   def nan_fill(t):
     return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), t)
   fill = jax.jit(nan_fill, out_shardings=shardings)
