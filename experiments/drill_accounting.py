@@ -60,13 +60,35 @@ def startup_s(report: dict, run: dict) -> float:
   return first["time"] - start - first["step_time_s"]
 
 
-def _restart_s(failure: dict, run: dict) -> float | None:
-  """Detection to the end of the first step after the restore (from the step's own log time).
+def step_ends(run_dir: str, run: dict) -> dict[int, list[float]]:
+  """Each step's end, every run of it: rank 0's timeline (the end of the step's last loop span
+  in each process that ran it), or the step's log time in `run` (its last run) without one.
+  metrics.jsonl cannot tell: a restore truncates it to the restored step."""
+  from mscale_jax.observability import timeline
+  path = os.path.join(run_dir, "timeline", "rank0.jsonl")
+  if not os.path.exists(path):
+    return {step: [r["time"]] for step, r in run.items()}
+  ends = {}
+  for s in timeline.read_rank_file(path)[1]:
+    if s["track"] == "loop" and s["step"] is not None:
+      key = (s["step"], s["segment"])
+      ends[key] = max(ends.get(key, s["end"]), s["end"])
+  out = {}
+  for (step, _), end in ends.items():
+    out.setdefault(step, []).append(end)
+  return out
+
+
+def _restart_s(failure: dict, ends: dict[int, list[float]]) -> float | None:
+  """Detection to the end of the first step after the restore: its first run after the
+  detection, as the next restart may go back to the same checkpoint and run that step again
+  (the drill's bad_slot, then a kill at step 111, both from step 100).
 
   The driver's own figure comes from heartbeats and so runs up to one heartbeat late.
   """
-  first = run.get((failure.get("restore_step") or 0) + 1)
-  return first["time"] - failure["detected_at"] if first else None
+  after = [t for t in ends.get((failure.get("restore_step") or 0) + 1, ())
+           if t > failure["detected_at"]]
+  return min(after) - failure["detected_at"] if after else None
 
 
 def _marker(run_dir: str, spec: str) -> dict | None:
@@ -115,7 +137,7 @@ def per_fault_rows(faults: list[str], report: dict, run: dict, run_dir: str,
   from mscale_jax.resilience.faults import parse_fault
   warm = {a["attempt"]: a.get("warm_processes") for a in report["attempts"]}
   failures = {f["injected"]: f for f in report["failures"] if f.get("injected")}
-  rows = []
+  rows, ends = [], step_ends(run_dir, run)
   for spec in (parse_fault(f).spec for f in faults):
     f = failures.get(spec)
     if spec.startswith("contend"):
@@ -148,7 +170,7 @@ def per_fault_rows(faults: list[str], report: dict, run: dict, run_dir: str,
       rows.append({"injected": spec, "kind": None, "detected": False, "phases": {}})
       continue
     diagnosis = (f.get("diagnosis") or {}).get("seconds")
-    restart = _restart_s(f, run)
+    restart = _restart_s(f, ends)
     marker = _marker(run_dir, spec) or {}
     rows.append({
         "injected": spec, "injected_step": marker.get("step"), "by": marker.get("by", "worker"),
@@ -324,8 +346,10 @@ def where_time_went(report: dict, run: dict, rows: list[dict], run_dir: str,
            "restart_s": sum(r["restart_s"] for r in restarted),
            "replayed_steps_s": sum(r["phases"]["replay_s"] for r in restarted)}
   split["other_s"] = report["wall_s"] - sum(split.values())
+  # Each step's last run is in the training time once: a step two restarts went back to is
+  # the first new step of the later one only (the earlier one's run of it was replayed again).
   measured = timeline_totals(
-      run_dir, [r["restore_step"] + 1 for r in restarted if r.get("restore_step") is not None],
+      run_dir, {r["restore_step"] + 1 for r in restarted if r.get("restore_step") is not None},
       [(r["restore_span"], r["restore_step"]) for r in rows if r.get("restore_span")])
   other = {"checkpoint_stall_s": measured.get("checkpoint_stall_s"),
            "evaluation_s": measured.get("evaluation_s"),

@@ -6,8 +6,8 @@ r"""A fault drill: the main job on 2 processes with injected faults, against a f
 
 Runs `experiments.launch` twice with the same flags (every step logged, the production
 non-finite policy train.on_nonfinite=rollback) and the launcher's default limits (hang: 60 s
-until the step time is known, then 20 x its 95th percentile, at least 10 s:
-mscale_jax/resilience/driver/supervisor.py), each run with its own workdir and cold compilation
+until the step time is known, then 20 x its median, at least 10 s:
+mscale_jax/resilience/driver/hang_limit.py), each run with its own workdir and cold compilation
 cache (restarts inside a run reuse that run's cache, as they would on a cluster): once without
 faults (the reference) and once with them, AT THE SAME TIME on the same machine, so that the
 load of a shared machine weighs on both alike (sequential runs on a shared host measured the
@@ -338,7 +338,7 @@ def main(argv):
       "checkpoint_saves": summary["checkpoint_saves"],
       "restore_s": summary["restore_s"],
       "limits": "the launcher's defaults (hang: 60 s until 20 step times are known, then 20 x "
-                "their 95th percentile, at least 10 s; startup 600 s; io 120 s); each run's own "
+                "their median, at least 10 s; startup 600 s; io 120 s); each run's own "
                 "cold compilation cache; train.on_nonfinite=rollback in both runs",
       "loss_curve_note": "equal_through_step: how far every loss is bitwise equal to the "
                          "reference's. Two faults can end that by design: the NaN (the last "

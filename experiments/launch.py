@@ -54,8 +54,9 @@ _HANG = flags.DEFINE_float("hang_timeout_s", 60.0, "Until the job's step time is
                            "first 20 heartbeats in training), a worker with no new step for "
                            "max(this, hang_step_factor x median step time) is hung.")
 _HANG_FLOOR = flags.DEFINE_float("hang_floor_s", 10.0, "Once the step time is known: hung after "
-                                 "max(this, hang_step_factor x the 95th percentile step time) "
-                                 "(never more than --hang_timeout_s's floor).")
+                                 "max(this, hang_step_factor x the median step time) (never "
+                                 "more than --hang_timeout_s's floor; why the median: "
+                                 "resilience/driver/hang_limit.py).")
 _HANG_FACTOR = flags.DEFINE_float("hang_step_factor", 20.0, "See --hang_timeout_s.")
 _STARTUP = flags.DEFINE_float("startup_timeout_s", 600.0, "Allowed time to start, restore "
                               "and compile.")

@@ -9,12 +9,12 @@ runs the job twice, once per arm in alternating order, killing process 1 between
 (a `kill` fault) so that the driver restarts the group from the last checkpoint. The arm
 without the pre-key sets MSCALE_COMPILE_CACHE_PREKEY=0 (every process traces and lowers its
 programs to key the cache, then loads, as before the pre-key). Per restart, rank 0's timeline
-gives the group's start to the end of its first step and its parts
-(experiments/drill_accounting.py `restart_phases`), and `after_start_up_s`, the same without
-Python's and JAX's start-up (the noisiest part, untouched by the pre-key); rank 0's log says
-how the cache served the train step; `first_check_s` is the restarted group's first replica
-check (its program is pre-keyed too). `saved_per_restart_s`: per trial, the arm without the
-pre-key minus the arm with it.
+gives the group's start to the end of its first step and its parts, the group's self-check
+among them (experiments/drill_accounting.py `restart_phases`), and `after_start_up_s`, the
+same without Python's and JAX's start-up (the noisiest part, untouched by the pre-key); rank
+0's log says how the cache served the train step; `first_check_s` is the restarted group's
+first replica check (its program is pre-keyed too). `saved_per_restart_s`: per trial, the
+arm without the pre-key minus the arm with it.
 """
 import json
 import os
@@ -36,8 +36,8 @@ flags.DEFINE_string("workdir", None, "Folder of the runs (default: a new tempora
 flags.DEFINE_string("out_dir", None, "Record folder (default: results/).")
 
 ARMS = {"pre_key": {}, "no_pre_key": {PRE_KEY_SWITCH: "0"}}
-PARTS = ("start_to_first_step_s", "after_start_up_s", "process_start_s", "restore_s",
-         "compile_or_cache_load_s", "first_step_s", "first_check_s")
+PARTS = ("start_to_first_step_s", "after_start_up_s", "process_start_s", "self_check_s",
+         "restore_s", "compile_or_cache_load_s", "first_step_s", "first_check_s")
 
 
 def main(argv):

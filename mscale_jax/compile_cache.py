@@ -15,6 +15,12 @@ dtypes, weak types, shardings), the JAX settings, and a digest of the source tha
 identity of the program key. A hit loads the executable without tracing or lowering; a miss
 lowers as before and records the pre-key -> entry mapping (`*.pre` files, one line each).
 
+Within one process an entry is deserialised at most once: a program this process already
+compiled or loaded is reused as it is (`_LIVE`). (Besides saving the load, this matters on
+JAX 0.11's CPU backend, where running a deserialised executable in the process that compiled
+the same program fails with NOT_FOUND for one of its functions, e.g. a second Trainer of one
+config in a notebook.)
+
 Used only where a compilation cache folder is configured (the driver configures one for its
 workers); otherwise `compile_or_load` is `lowered.compile()`.
 """
@@ -44,6 +50,9 @@ def cache_folder() -> str | None:
 # MSCALE_COMPILE_CACHE_PREKEY=0 turns the pre-key off (every program is lowered for its key,
 # as before it; experiments.restart_cost measures the difference).
 PRE_KEY_SWITCH = "MSCALE_COMPILE_CACHE_PREKEY"
+
+# Entry path -> the executable this process compiled or loaded for it.
+_LIVE: dict[str, Any] = {}
 
 # A call back into Python (io_callback, jax.debug.print, the Pallas TPU interpreter).
 _HOST_CALLBACK = re.compile(r"custom_call @\w*python\w*callback")
@@ -81,10 +90,11 @@ def compile_or_load(lowered, name: str, mesh: jax.sharding.Mesh, *,
     return lowered.compile(), False   # such executables cannot be serialised (JAX skips them too)
   key = cache_key(text, [d.id for d in mesh.devices.flat])
   path = _entry(folder, name, key)
-  executable = _load(path) if os.path.exists(path) else None
+  executable = _load(path) if os.path.exists(path) or path in _LIVE else None
   if executable is None:
     executable, loaded = lowered.compile(), False
     stored = _write(path, _serialized(executable))
+    _LIVE[path] = executable
   else:
     loaded = stored = True
   if record_pre_key is not None and stored:
@@ -168,14 +178,19 @@ def _entry(folder: str, name: str, key: str, suffix: str = ".pkl") -> str:
 
 
 def _load(path: str):
-  """The executable serialised at `path`, or None (with a warning) if it cannot be loaded."""
+  """The executable serialised at `path` (this process's own if it has one), or None (with a
+  warning) if it cannot be loaded."""
+  if path in _LIVE:
+    return _LIVE[path]
   try:
     with open(path, "rb") as f:
-      return serialize_executable.deserialize_and_load(*pickle.load(f))
+      executable = serialize_executable.deserialize_and_load(*pickle.load(f))
   except Exception as e:   # noqa: BLE001 (a stale or torn entry is only a cache miss)
     log.warning("compile cache: could not load %s (%s: %s); compiling", path,
                 type(e).__name__, e)
     return None
+  _LIVE[path] = executable
+  return executable
 
 
 def _load_by_pre_key(folder: str, name: str, key: str):

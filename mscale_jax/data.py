@@ -29,10 +29,13 @@ end, and the model's attention (`segment_ids` in `mscale_jax.attention`) never c
 another document.
 """
 import dataclasses
+import hashlib
 import logging
 import os
 import shutil
 import sysconfig
+import tempfile
+import zipfile
 from typing import Any, Iterator
 
 import grain
@@ -77,7 +80,7 @@ class Corpus:
 
 
 def load_corpus(config, vocab_size: int, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                synthetic_tokens: int = 1 << 20) -> Corpus:
+                synthetic_tokens: int = 1 << 20, cache_dir: str | None = None) -> Corpus:
   """Loads the corpus a `DataConfig` names and splits off its held-out part.
 
   Args:
@@ -85,6 +88,9 @@ def load_corpus(config, vocab_size: int, *, max_bytes: int = DEFAULT_MAX_BYTES,
     vocab_size: the model's vocabulary; every token must be below it.
     max_bytes: kind='stdlib' reads whole files in sorted order until this many bytes.
     synthetic_tokens: length of the kind='synthetic' stream (train + held-out).
+    cache_dir: kind='stdlib' keeps its tokens here and reads them back while no file of the
+      folder has changed (`_stdlib_key`), rather than reading ~1,800 files again (a
+      restarted worker; the trainer passes one where a compile cache folder is configured).
 
   Raises:
     ConfigError: the path is missing or holds no usable tokens, or a token is >= vocab_size.
@@ -92,7 +98,8 @@ def load_corpus(config, vocab_size: int, *, max_bytes: int = DEFAULT_MAX_BYTES,
   if not 0.0 < config.heldout_fraction < 1.0:
     raise ConfigError("data.heldout_fraction", config.heldout_fraction, "a fraction in (0, 1)")
   if config.kind == "stdlib":
-    corpus = _load_stdlib(config.path, config.heldout_fraction, vocab_size, max_bytes)
+    corpus = _load_stdlib(config.path, config.heldout_fraction, vocab_size, max_bytes,
+                          cache_dir)
   elif config.kind == "tokens":
     corpus = _load_token_file(config.path, config.token_dtype, config.heldout_fraction,
                               vocab_size)
@@ -155,7 +162,7 @@ def _heldout_every(heldout_fraction: float) -> int:
   return max(2, round(1.0 / heldout_fraction))
 
 
-def _load_stdlib(path, heldout_fraction, vocab_size, max_bytes) -> Corpus:
+def _load_stdlib(path, heldout_fraction, vocab_size, max_bytes, cache_dir=None) -> Corpus:
   if vocab_size < 256:
     raise ConfigError("model.vocab_size", vocab_size,
                       "at least 256: the stdlib corpus uses byte tokens (0..255)")
@@ -164,8 +171,13 @@ def _load_stdlib(path, heldout_fraction, vocab_size, max_bytes) -> Corpus:
     raise ConfigError("data.path", path, "an existing folder of Python source for kind='stdlib'"
                       " (None: this interpreter's standard library)")
   every = _heldout_every(heldout_fraction)
+  files = _stdlib_files(folder)
+  cached = cache_dir and os.path.join(
+      cache_dir, f"stdlib-{_stdlib_key(folder, files, every, max_bytes)}.npz")
+  if cached and (corpus := _read_cached(cached)) is not None:
+    return corpus
   train, heldout, total, num_files = [], [], 0, 0
-  for rel in _stdlib_files(folder):
+  for rel in files:
     try:
       with open(os.path.join(folder, rel), "rb") as f:
         text = f.read()
@@ -187,7 +199,53 @@ def _load_stdlib(path, heldout_fraction, vocab_size, max_bytes) -> Corpus:
   train_tokens, heldout_tokens = to_tokens(train), to_tokens(heldout)
   description = (f"stdlib: {num_files:,} files, {total / 1e6:.1f} MB from {folder}; held out "
                  f"every {every}th file ({len(heldout):,} files, {heldout_tokens.size:,} tokens)")
-  return Corpus(train_tokens, heldout_tokens, description, kind="stdlib", eod=SEPARATOR)
+  corpus = Corpus(train_tokens, heldout_tokens, description, kind="stdlib", eod=SEPARATOR)
+  if cached:
+    _write_cached(cached, corpus)
+  return corpus
+
+
+def _stdlib_key(folder: str, files: list[str], every: int, max_bytes: int) -> str:
+  """What the stdlib corpus is built from: the folder, the split and cap, and each file's
+  relative path, size and modification time (as make and rsync judge a file unchanged)."""
+  digest = hashlib.sha256(f"stdlib v1\0{folder}\0{every}\0{max_bytes}\0{SEPARATOR}".encode())
+  for rel in files:
+    try:
+      stat = os.stat(os.path.join(folder, rel))
+      digest.update(f"\0{rel}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    except OSError:
+      digest.update(f"\0{rel}\0unreadable".encode())
+  return digest.hexdigest()[:32]
+
+
+def _read_cached(path: str) -> Corpus | None:
+  """The stdlib corpus cached at `path`, or None if there is none or it cannot be read."""
+  if not os.path.exists(path):
+    return None
+  try:
+    with np.load(path) as saved:
+      train, heldout, description = saved["train"], saved["heldout"], str(saved["description"])
+  except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+    log.warning("corpus cache: could not read %s (%s: %s); reading the files", path,
+                type(e).__name__, e)
+    return None
+  log.info("corpus tokens read back from %s", path)
+  return Corpus(train, heldout, description, kind="stdlib", eod=SEPARATOR)
+
+
+def _write_cached(path: str, corpus: Corpus) -> None:
+  """Writes `corpus` to `path` whole or not at all and drops the folder's older versions."""
+  folder = os.path.dirname(path)
+  try:
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as f:
+      np.savez(f, train=corpus.train, heldout=corpus.heldout, description=corpus.description)
+    os.replace(f.name, path)
+    for old in os.listdir(folder):
+      if old.startswith("stdlib-") and old.endswith(".npz") and old != os.path.basename(path):
+        os.remove(os.path.join(folder, old))
+  except OSError as e:
+    log.warning("corpus cache: could not write %s (%s)", path, e)
 
 
 def run_tokenizer(workdir: str, data_meta: dict):

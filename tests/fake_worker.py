@@ -4,6 +4,13 @@
   FAKE_PLAN = {"steps": 8, "step_s": 0.05, "checkpoint_every": 2,
                "misbehave": [{"attempt": 0, "rank": 1, "step": 5, "do": "exit"}, ...]}
 
+A restarted group (MSCALE_SELF_CHECK=1) self-checks first: slots in `bad_slots` fail it (rank 0
+writes the verdict, every rank reports the failure and exits as the real self-check does).
+
+Healthy but slow steps, on every rank of every attempt: `save_s` (each save's stall, in phase
+'checkpointing'), `eval_every` and `eval_s` (an evaluation, in phase 'evaluating'),
+`slow_every` and `slow_s` (a step in the training phase that takes `slow_s`, as on a loaded box).
+
 `do`: exit (status 1), failure (reports an exception at the step, then exits 1), fatal (prints
 a fatal log line and stays alive), hang (stops in its host phase; its peers wait in 'sync'),
 straggle (its host phase takes most of every step), malformed (also posts broken heartbeats
@@ -60,6 +67,8 @@ def worker(workdir):
                                        f"attempt{attempt}-rank{rank}.txt"))
   client, phases = HeartbeatClient.from_env(), Phases()
   client.start(phases)
+  if os.environ.get("MSCALE_SELF_CHECK") == "1":
+    self_check(client, workdir, plan.get("bad_slots", []), attempt, rank)
   client.phase(events.TRAINING)
   step_s = plan.get("step_s", 0.05)
   done = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))] \
@@ -84,9 +93,13 @@ def worker(workdir):
                                     "failure": "notadict"}).encode())
       _post_raw(client, b'{"rank": 0, "host": ')
     host_s = 0.8 * step_s if mine.get("every") == "straggle" else 0.05 * step_s
-    time.sleep(step_s)
+    time.sleep(plan["slow_s"] if step % plan.get("slow_every", 10**9) == 0 else step_s)
     barrier(workdir, attempt, step, rank)
     phases.completed.append([step, {"host": host_s, "sync": step_s - host_s}])
+    if step % plan.get("eval_every", 10**9) == 0:
+      stall(client, events.EVALUATING, plan["eval_s"])
+    if step % plan.get("checkpoint_every", 10**9) == 0:
+      stall(client, events.CHECKPOINTING, plan.get("save_s", 0.0))
     if rank == 0 and step % plan.get("checkpoint_every", 10**9) == 0:
       try:
         os.makedirs(os.path.join(workdir, "checkpoints", str(step)), exist_ok=True)
@@ -98,6 +111,36 @@ def worker(workdir):
     client.progress(step, 3.0 - 0.1 * step, 1.0, 0.0)
     client.post()
   client.close(events.DONE)
+
+
+def self_check(client, workdir, bad_slots, attempt, rank):
+  """The group's self-check: the same verdict on every rank; a failing slot ends the group."""
+  client.phase(events.SELF_CHECK)
+  barrier(workdir, attempt, "selfcheck", rank)
+  with open(os.path.join(workdir, "barrier", f"slots-a{attempt}"), "a") as f:
+    f.write(os.environ["MSCALE_SLOT"] + "\n")
+  barrier(workdir, attempt, "selfcheck-slots", rank)
+  with open(os.path.join(workdir, "barrier", f"slots-a{attempt}")) as f:
+    slots = sorted(int(line) for line in f)
+  excluded = {str(s): "the plan says it is bad" for s in slots if s in bad_slots}
+  if rank == 0:
+    folder = os.path.join(workdir, "resilience", f"selfcheck-{attempt}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "verdict.json"), "w") as f:
+      json.dump({"seconds": 0.0, "results": {}, "excluded": excluded}, f)
+  barrier(workdir, attempt, "selfcheck-verdict", rank)
+  if excluded:
+    client.failure(events.SELF_CHECK_FAILED, f"slots {sorted(excluded)} fail")
+    sys.exit(events.EXIT_SELF_CHECK_FAILED)
+  client.phase(events.TRAINING)
+
+
+def stall(client, phase, seconds):
+  """A save or an evaluation: `seconds` in `phase` (reported), then back to training."""
+  if seconds:
+    client.phase(phase)
+    time.sleep(seconds)
+    client.phase(events.TRAINING)
 
 
 def barrier(workdir, attempt, step, rank):

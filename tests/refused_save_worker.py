@@ -1,15 +1,16 @@
 """One process of tests/test_refused_saves.py's two-process save (not a test itself): saves step
 4, then step 8, whose commit process 0 refuses (the folder turns read-only from orbax's thread
 just before the rename); then, writable again, step 8 again (as after a rollback); then step
-12, whose background write fails on process 1 alone (its disk is full); then a second
+12, whose background write fails on process 1 alone (the kernel refuses its files past a
+per-process size limit); then a second
 Checkpointer of the folder saves step 16. Prints what each process saw as JSON.
 
   MSCALE_COORDINATOR=host:port MSCALE_NUM_PROCESSES=2 MSCALE_PROCESS_ID=i \\
       python tests/refused_save_worker.py DIRECTORY
 """
-import errno
 import json
 import os
+import resource
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,8 +35,8 @@ faulthandler.dump_traceback_later(float(os.environ.get("DUMP_AFTER", "1e9")), ex
 mesh = Mesh(np.array(jax.devices()), ("d",))
 
 
-def state(step):
-  values = np.random.default_rng(step).normal(size=(8, 4)).astype(np.float32)
+def state(step):   # 64 KiB of random floats: each process's part is far over FILE_LIMIT
+  values = np.random.default_rng(step).normal(size=(256, 64)).astype(np.float32)
   return {"w": jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("d")),
                                             lambda index: values[index])}
 
@@ -71,23 +72,16 @@ if jax.process_index() == 0:   # as the driver does once the refusal is reported
 ocp.multihost.get_jax_distributed_client().wait_at_barrier("writable again", 60_000)
 checkpointer._manifest = manifest
 checkpointer.save(8, state(8), {"position": 8}, Config())   # saved again, as after a rollback
-checkpointer.launched()   # its write started before step 12's is patched
-commits = checkpointer._manager._checkpointer._async_manager   # orbax's background writes
-start_commit = commits.start_async_commit
-
-
-class NoSpace:
-  """Process 1's part of step 12's background write, which its disk refuses."""
-
-  def result(self, timeout=None):
-    raise OSError(errno.ENOSPC, "No space left on device (process 1's part of step 12)")
-
-
+checkpointer.wait()   # on disk before the limit below, which would refuse its last writes too
+# Step 12: the kernel refuses process 1's writes past FILE_LIMIT bytes (a per-process file-size
+# limit, as a full disk of its own would): the one-byte write probe passes, the arrays' data
+# files do not (EFBIG; Python ignores SIGXFSZ), in orbax's background write.
+FILE_LIMIT = 4096
+unlimited = resource.getrlimit(resource.RLIMIT_FSIZE)
 if jax.process_index() == 1:
-  commits.start_async_commit = lambda directory, commit_futures, on_commit_callback: (
-      start_commit(directory, [*commit_futures, NoSpace()], on_commit_callback))
+  resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, unlimited[1]))
 refused_too = save_and_wait(12)
-commits.start_async_commit = start_commit
+resource.setrlimit(resource.RLIMIT_FSIZE, unlimited)
 checkpointer.close()
 # A second Checkpointer of the folder in this session names its own keys.
 checkpointer = Checkpointer(directory, keep=3)

@@ -10,12 +10,33 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mscale_jax import compile_cache
 
 
+class _EachCallAProcess(dict):
+  """A `compile_cache._LIVE` that keeps nothing: every call plays a process of its own, so
+  what a test exercises is the entries on disk."""
+
+  def __setitem__(self, key, value):
+    pass
+
+
 @pytest.fixture
-def cache_dir(tmp_path):
+def cache_dir(tmp_path, monkeypatch):
+  """A cache folder, each call playing a new process (see `live_programs` for reuse within one)."""
+  monkeypatch.setattr(compile_cache, "_LIVE", _EachCallAProcess())
   previous = jax.config.jax_compilation_cache_dir
   jax.config.update("jax_compilation_cache_dir", str(tmp_path))
   yield tmp_path
   jax.config.update("jax_compilation_cache_dir", previous)
+
+
+@pytest.fixture
+def live_programs(cache_dir, monkeypatch):
+  """`cache_dir` with the process's own reuse on; counts deserialisations in 'loads'."""
+  monkeypatch.setattr(compile_cache, "_LIVE", {})
+  loads = []
+  load = compile_cache.serialize_executable.deserialize_and_load
+  monkeypatch.setattr(compile_cache.serialize_executable, "deserialize_and_load",
+                      lambda *a, **k: (loads.append(1), load(*a, **k))[1])
+  return loads
 
 
 def _mesh(devices=None):
@@ -237,14 +258,15 @@ def test_the_source_digest_covers_both_packages_and_changes_with_a_file(tmp_path
   assert len(set(digests)) == 3
 
 
-def test_a_restarted_trainer_steps_with_the_loaded_program_bitwise_alike(cache_dir, tiny_config,
-                                                                         tmp_path, caplog):
-  """Two trainers of one config (the second as a restarted process builds it): the second
-  never lowers its train step, and its first step's state is bitwise the first's."""
+def test_a_second_trainer_in_the_process_reuses_its_program(live_programs, tiny_config,
+                                                           tmp_path, caplog):
+  """Two trainers of one config in one process (a notebook run twice): the second neither
+  lowers its train step nor deserialises it (JAX 0.11's CPU backend cannot run a deserialised
+  copy beside the program it compiled), and its first step's state is bitwise the first's."""
   from mscale_jax.train import Trainer
   config = tiny_config(train=dict(steps=3, log_every=1, eval_every=3, checkpoint_every=3))
   states, lowered = [], []
-  for name in ("first", "restarted"):
+  for name in ("first", "second"):
     trainer = Trainer(config, str(tmp_path / name), show_progress=False)
     lower_step = trainer.lower_step
     trainer.lower_step = lambda *args, name=name, lower=lower_step: (
@@ -254,10 +276,71 @@ def test_a_restarted_trainer_steps_with_the_loaded_program_bitwise_alike(cache_d
       trainer.train(stop_at=1)
     states.append(jax.device_get(trainer.final_state))
   assert lowered == ["first"] and "loaded before lowering the train step" in caplog.text
-  leaves = jax.tree.leaves_with_path(states[0])
-  assert len(leaves) == len(jax.tree.leaves(states[1])) > 3
-  for (path, a), b in zip(leaves, jax.tree.leaves(states[1])):
-    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+  assert live_programs == []
+  _assert_bitwise(states[0], states[1])
+
+
+_RESTARTED = """
+import logging
+import sys
+import jax
+import numpy as np
+from mscale_jax.config import Config
+from mscale_jax.train import Trainer
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+logging.getLogger("mscale_jax").addHandler(logging.StreamHandler())
+logging.getLogger("mscale_jax").setLevel(logging.INFO)
+{config}
+trainer = Trainer(config, sys.argv[2], show_progress=False)
+trainer.lower_step = None   # a lowering would fail the run
+trainer.train(stop_at=1)
+leaves = jax.tree.leaves(jax.device_get(trainer.final_state))
+np.savez(sys.argv[3], *[np.asarray(a) for a in leaves])
+"""
+# A program no other test compiles: on JAX 0.11's CPU backend, an executable compiled by a
+# process that had compiled the same program before may not load in another process.
+_CONFIG = """config = Config(name="test").replace(
+    model=dict(num_layers=3, hidden=32, num_heads=4, mlp_dim=96, seq_len=32, attention_window=8),
+    mesh=dict(data=2, tensor=4), optimizer=dict(warmup_steps=2),
+    data=dict(kind="stdlib", prefetch=0),
+    train=dict(steps=3, global_batch=4, log_every=1, eval_every=3, eval_batches=1,
+               checkpoint_every=3))"""
+
+
+@pytest.mark.slow
+def test_a_restarted_process_loads_the_train_step_before_lowering_and_steps_bitwise_alike(
+    cache_dir, tmp_path):
+  """The restart the cache is for: a new process (same config, same cache folder) loads the
+  train step this one wrote, never lowers it, and its first step's state is bitwise ours."""
+  import subprocess
+  import sys
+  from mscale_jax.config import Config     # noqa: F401 (the config text below uses it)
+  from mscale_jax.train import Trainer
+  scope = {"Config": Config}
+  exec(_CONFIG, scope)
+  trainer = Trainer(scope["config"], str(tmp_path / "first"), show_progress=False)
+  trainer.train(stop_at=1)
+  script = tmp_path / "restarted.py"
+  script.write_text(_RESTARTED.format(config=_CONFIG))
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+      [sys.executable, str(script), str(cache_dir), str(tmp_path / "restarted"),
+       str(tmp_path / "state.npz")], cwd=repo, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, PYTHONPATH=repo))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "loaded before lowering the train step" in result.stderr
+  with np.load(tmp_path / "state.npz") as restarted:
+    _assert_bitwise(jax.device_get(trainer.final_state),
+                    [restarted[f"arr_{i}"] for i in range(len(restarted.files))])
+
+
+def _assert_bitwise(state, other_leaves):
+  leaves = jax.tree.leaves_with_path(state)
+  other_leaves = jax.tree.leaves(other_leaves)
+  assert len(leaves) == len(other_leaves) > 3
+  for (path, a), b in zip(leaves, other_leaves):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                  err_msg=jax.tree_util.keystr(path))
 
 
 def test_the_pre_key_can_be_switched_off(cache_dir, monkeypatch):
@@ -267,3 +350,29 @@ def test_the_pre_key_can_be_switched_off(cache_dir, monkeypatch):
   program = _Program(1.5)
   assert compile_cache.load_or_lower(program.lower, args, "s", _mesh(), "")[1] == "loaded"
   assert program.lowered == 1
+
+
+def test_a_restarted_process_loads_the_nan_faults_program_from_the_cache(cache_dir, monkeypatch):
+  """The `nan` fault's fill program is made at every restart before the fault fires; JAX's
+  own cache serves process 0 only, so without this every other process compiled it again."""
+  from mscale_jax.resilience.worker.faults import nan_program
+  mesh = _mesh()
+  params = {"w": _random((16, 8), seed=5), "b": _random((8,), spec=P("tensor"), seed=6)}
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  compiles, loads = [], []
+  compile_ = jax.stages.Lowered.compile
+  monkeypatch.setattr(jax.stages.Lowered, "compile",
+                      lambda self, *a, **k: (compiles.append(1), compile_(self, *a, **k))[1])
+  load = compile_cache.serialize_executable.deserialize_and_load
+  monkeypatch.setattr(compile_cache.serialize_executable, "deserialize_and_load",
+                      lambda *a, **k: (loads.append(1), load(*a, **k))[1])
+  before = jax.tree.map(np.asarray, params)
+  for run, expected in enumerate([(1, 0), (1, 1)]):      # the first run, then a restart
+    fill = nan_program(params, shardings, mesh)
+    assert (len(compiles), len(loads)) == expected, run
+    out = fill(params)
+    for name, x in out.items():
+      assert x.sharding == shardings[name] and x.shape == params[name].shape
+      assert np.isnan(np.asarray(x)).all()
+  for name in params:                                     # the real parameters are untouched
+    np.testing.assert_array_equal(np.asarray(params[name]), before[name])

@@ -1,5 +1,6 @@
 """Tests for mscale_jax.data: corpora, splits, determinism, process split and exact resume."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -252,3 +253,49 @@ def test_config_errors(tmp_path, case):
       data.make_train_iterator(_counting_corpus(), seq_len=SEQ, global_batch=5, seed=0,
                                process_count=2)
   assert raised.value.field == field
+
+
+def _assert_same_corpus(a, b):
+  np.testing.assert_array_equal(a.train, b.train)
+  np.testing.assert_array_equal(a.heldout, b.heldout)
+  assert a.description == b.description and a.train.dtype == b.train.dtype
+
+
+def test_stdlib_tokens_cached_are_reused_until_a_file_changes(tmp_path):
+  rng = np.random.default_rng(7)
+  text = lambda: "".join(rng.choice(list("abc xyz\n()=:"), size=int(rng.integers(20, 200))))
+  source, cache = tmp_path / "src", str(tmp_path / "cache")
+  _write_tree(source, {f"pkg/m{i:02d}.py": text() for i in range(12)})
+  config = DataConfig(kind="stdlib", path=str(source), heldout_fraction=0.25)
+  scanned = data.load_corpus(config, 256)
+  first = data.load_corpus(config, 256, cache_dir=cache)
+  _assert_same_corpus(first, scanned)
+  (entry,) = [f for f in os.listdir(cache)]
+  # Same size and modification time, other bytes: the cache cannot tell, so it is served.
+  path = source / "pkg" / "m03.py"
+  stat = path.stat()
+  path.write_text("q" * stat.st_size)
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  _assert_same_corpus(data.load_corpus(config, 256, cache_dir=cache), scanned)
+  # An edited file (a new modification time) is read again, as is a new split.
+  path.write_text(text())
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+  edited = data.load_corpus(config, 256, cache_dir=cache)
+  _assert_same_corpus(edited, data.load_corpus(config, 256))
+  assert not np.array_equal(edited.train, scanned.train) or \
+      not np.array_equal(edited.heldout, scanned.heldout)
+  assert entry not in os.listdir(cache) and len(os.listdir(cache)) == 1   # old one dropped
+  split = DataConfig(kind="stdlib", path=str(source), heldout_fraction=0.5)
+  _assert_same_corpus(data.load_corpus(split, 256, cache_dir=cache), data.load_corpus(split, 256))
+
+
+def test_a_torn_stdlib_cache_entry_is_read_again_and_rewritten(tmp_path, caplog):
+  _write_tree(tmp_path / "src", {f"m{i}.py": f"x = {i}\n" * (i + 1) for i in range(8)})
+  config = DataConfig(kind="stdlib", path=str(tmp_path / "src"), heldout_fraction=0.25)
+  cache = tmp_path / "cache"
+  scanned = data.load_corpus(config, 256, cache_dir=str(cache))
+  (entry,) = cache.iterdir()
+  entry.write_bytes(entry.read_bytes()[:40])
+  _assert_same_corpus(data.load_corpus(config, 256, cache_dir=str(cache)), scanned)
+  assert "could not read" in caplog.text
+  _assert_same_corpus(data.load_corpus(config, 256, cache_dir=str(cache)), scanned)

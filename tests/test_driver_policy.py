@@ -16,6 +16,7 @@ from experiments import job
 pytestmark = pytest.mark.slow
 
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_worker.py")
+REPO = os.path.dirname(os.path.dirname(FAKE))
 
 
 def drive(tmp_path, plan: dict, timeout_s: float = 60, **options):
@@ -25,8 +26,9 @@ def drive(tmp_path, plan: dict, timeout_s: float = 60, **options):
              "hang_timeout_s": 3.0, "hang_step_factor": 1.0, "startup_timeout_s": 30.0,
              "standby": False, "self_check": False, "status_every_s": 0, "poll_s": 0.05,
              **options}
-  env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", FAKE_PLAN=json.dumps({"steps": 8, "step_s": 0.05,
-                                               "checkpoint_every": 2, **plan}))
+  env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+             PYTHONPATH=os.pathsep.join([os.path.dirname(FAKE), REPO]),   # python -m fake_worker
+             FAKE_PLAN=json.dumps({"steps": 8, "step_s": 0.05, "checkpoint_every": 2, **plan}))
   proc = subprocess.Popen([sys.executable, FAKE, "driver", json.dumps(options)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
@@ -194,7 +196,7 @@ def test_a_hang_is_blamed_on_the_rank_the_localiser_names(tmp_path):
 def test_once_the_step_time_is_known_a_hang_is_caught_far_inside_the_long_floor(tmp_path):
   """hang_timeout_s (here 120 s, past the test's own timeout) holds only until the job has
   reported its step time; the hang at step 150 is then caught after max(hang_floor_s, 20 x the
-  95th percentile step time) and the job completes."""
+  median step time) and the job completes."""
   plan = {"steps": 200, "misbehave": misbehave((0, 0, 150, "hang"))}
   status, report, output = drive(tmp_path, plan, hang_timeout_s=120.0, hang_floor_s=2.0,
                                  hang_step_factor=20.0, timeout_s=90)
@@ -203,3 +205,40 @@ def test_once_the_step_time_is_known_a_hang_is_caught_far_inside_the_long_floor(
   assert (failure["kind"], failure["rank"], failure["step"]) == ("hang", 0, 149), failure
   limit = float(failure["detail"].split("(limit ")[1].split(" s)")[0])
   assert 2.0 <= limit < 60.0, failure["detail"]
+
+
+def test_slow_saves_evaluations_and_steps_are_no_hang_but_a_hang_is_caught_near_the_steady_step(
+    tmp_path):
+  """A healthy job's slow moments: every save takes 2.5 s ('checkpointing') and every other
+  save an evaluation as long ('evaluating'), both past the limit (2 s here); every 7th step is
+  10 x slower in the training phase (a loaded box: 14% of the step times, they set a 95th
+  percentile); and the first steps after a restart. None is called a hang: the one failure is
+  the injected one at step 33, and its limit follows the steady step, not the slow ones
+  (20 x the 0.6-s steps would be 12 s)."""
+  plan = {"steps": 40, "step_s": 0.05, "checkpoint_every": 10, "save_s": 2.5,
+          "eval_every": 20, "eval_s": 2.5, "slow_every": 7, "slow_s": 0.6,
+          "misbehave": misbehave((0, 0, 33, "hang"))}
+  status, report, output = drive(tmp_path, plan, hang_timeout_s=30.0, hang_floor_s=2.0,
+                                 hang_step_factor=20.0, io_timeout_s=20.0, timeout_s=150)
+  assert status == 0 and report["completed"], output[-2000:]
+  (failure,) = report["failures"]
+  assert (failure["kind"], failure["rank"], failure["step"]) == ("hang", 0, 32), failure
+  limit = float(failure["detail"].split("(limit ")[1].split(" s)")[0])
+  assert 2.0 <= limit < 20 * 0.6, failure["detail"]
+  assert report["final_step"] == 40
+
+
+def test_the_group_after_a_failed_self_check_starts_from_warm_standbys_too(tmp_path):
+  """Rank 1 exits at step 5; the restarted group (warm standbys) self-checks and fails slot 1,
+  so it exits before training; the next group, on slots [0, 2], must start warm as well: the
+  pool is refilled only once a group trains, so it held two groups' processes."""
+  plan = {"misbehave": misbehave((0, 1, 5, "exit")), "bad_slots": [1]}
+  status, report, output = drive(tmp_path, plan, worker_command=[sys.executable, "-m",
+                                                                 "fake_worker"],
+                                 standby=True, self_check=True, spare_slots=1, timeout_s=150)
+  assert status == 0 and report["completed"], output[-2000:]
+  assert [(a["slots"], a["failure"], a["warm_processes"]) for a in report["attempts"]] == [
+      ([0, 1], "exited", 0), ([0, 1], "self_check_failed", 2), ([0, 2], None, 2)], output[-2000:]
+  assert list(report["excluded_slots"]) == ["1"]
+  (failure,) = report["failures"]
+  assert list(failure["diagnosis"]["excluded"]) == ["1"]

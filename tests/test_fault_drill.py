@@ -83,6 +83,36 @@ def test_a_nan_rolled_back_in_process_is_one_row_and_its_discarded_steps_count_o
   assert totals["first_new_steps_s"] == 0.5
 
 
+def test_two_restarts_from_one_checkpoint_each_count_to_their_own_first_step(tmp_path):
+  """As in the drill: bad_slot's divergence at step 110 (detected at t=865) and a kill at step
+  111 (detected at 883) both restart from step 100, so step 101 ran three times (rank 0's
+  timeline: t=811, 877 and 890; the metrics keep only the last, a restore truncates them).
+  Each restart ends at its own run of step 101; that step's last run (0.5 s), in the training
+  time once, is the first new step of the later restart only."""
+  lines = [{"meta": {"rank": 0, "attempt": 0}}]
+  lines += [_span("sync", s, 790.0 + s / 10, 800.0 + s / 10) for s in range(1, 111)]
+  lines += [{"meta": {"rank": 0, "attempt": 2}}]
+  lines += [_span("sync", s, 875.5 + s - 100, 876.0 + s - 100) for s in range(101, 111)]
+  lines += [{"meta": {"rank": 0, "attempt": 3}}]
+  lines += [_span("sync", s, 888.5 + s - 100, 889.0 + s - 100) for s in range(101, 121)]
+  _write_timeline(tmp_path / "timeline", lines)
+  run = {s: {"step": s, "time": 889.0 + s - 100, "loss": 1.0, "step_time_s": 0.5}
+         for s in range(101, 121)}
+  failures = [{"injected": spec, "kind": kind, "rank": 0, "attempt": attempt, "detail": "",
+               "detected_at": at, "detection_latency_s": 1.0, "restore_step": 100,
+               "steps_lost": 10}
+              for spec, kind, attempt, at in (("bad_slot:slot=1:step=105", "replica_divergence",
+                                               0, 865.0),
+                                              ("kill:rank=1:step=111:at=step", "exited", 2, 883.0))]
+  report = {"attempts": [{"attempt": a, "started": 799.0} for a in range(4)],
+            "failures": failures, "wall_s": 120.0}
+  rows = drill_accounting.per_fault_rows([f["injected"] for f in failures], report, run,
+                                         str(tmp_path), iteration_s=0.5)
+  assert [r.get("restart_s") for r in rows] == [877.0 - 865.0, 890.0 - 883.0], rows
+  split = drill_accounting.where_time_went(report, run, rows, str(tmp_path), iteration_s=0.5)
+  assert split["other_split"]["of_which"]["first_new_steps_in_restart_s"] == 0.5
+
+
 def test_an_io_error_recovered_in_process_is_one_row_without_restart(tmp_path):
   """The driver's report lists the refused save apart from its failures (no restart): the row
   says so, has no restart or replay, and where_time_went counts no restart for it."""

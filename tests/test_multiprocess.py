@@ -54,8 +54,9 @@ def faulty(tmp_path_factory):
     0  slots [0, 1]  rank 1 is killed (kill -9) before step 6: restart from step 4
     1  slots [0, 1]  (warm standbys) the self-check fails slot 1 (bad_slot: since step 5 what
                      its process receives is corrupt): start without it
-    2  slot [0]      the job shrinks to data=1; rank 0 is killed while step 8's save is being
-                     written: restart from step 4 again (step 8's checkpoint never completed)
+    2  slot [0]      (a warm standby) the job shrinks to data=1; rank 0 is killed while step
+                     8's save is being written: restart from step 4 again (step 8's
+                     checkpoint never completed)
     3  slot [0]      the self-check passes; rank 0 hangs before step 10: restart from step 8
     4  slot [0]      completes
   """
@@ -114,10 +115,11 @@ def test_a_bad_slot_is_excluded_and_the_job_shrinks(faulty):
   assert list(report["excluded_slots"]) == ["1"]
   assert "corrupt" in report["excluded_slots"]["1"]
   # The group restarted after the first kill (from warm standbys) self-checks, fails slot 1
-  # and exits before training; the next starts without it. Both checks are the kill's
-  # diagnosis. Standbys are refilled once a group trains.
+  # and exits before training; the next starts without it, warm too (standbys are refilled
+  # once a group trains, so with self-checks the pool holds two groups' processes). Both
+  # checks are the kill's diagnosis.
   assert [(a["slots"], a["failure"], a["warm_processes"]) for a in report["attempts"]] == [
-      ([0, 1], "exited", 0), ([0, 1], "self_check_failed", 2), ([0], "exited", 0),
+      ([0, 1], "exited", 0), ([0, 1], "self_check_failed", 2), ([0], "exited", 1),
       ([0], "hang", 1), ([0], None, 1)]
   kill = report["failures"][0]
   assert list(kill["diagnosis"]["excluded"]) == ["1"]

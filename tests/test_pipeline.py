@@ -295,7 +295,8 @@ def _tick_structure(variant):
   """For the loop body that holds the pipeline's sends: for each of them, (depends on the
   tick's compute, tick's compute depends on it). A send is a conditional whose branch issues
   a jax.lax.ppermute (a tick where no stage receives sends nothing); the tick's compute is
-  the switch, the conditional with a branch per op (idle, forward, backward, ...)."""
+  every other conditional: one per op (forward, backward, ...) that runs it or passes the
+  buffers through, and the embedding's backward."""
   compiled, _, _ = _compiled(variant)
   hlo = compiled.as_text()
   permuting = {name for name in re.findall(r"branch_computations=\{([^}]*)\}", hlo)
@@ -308,7 +309,7 @@ def _tick_structure(variant):
                 re.findall(r"%?([\w.\-]+) = .*? conditional\(.*?branch_computations=\{([^}]*)\}",
                            body)}
     permutes = [n for n, called in branches.items() if permuting & set(called)]
-    computes = {n for n, called in branches.items() if len(called) > 2}
+    computes = {n for n in branches if n not in permutes}
     if permutes and computes:
       return [(any(_reaches(graph, p, {c}) for c in computes),
                any(_reaches(graph, c, {p}) for c in computes)) for p in permutes]
@@ -331,6 +332,44 @@ def test_without_overlap_sends_wait_for_the_compute():
   structure = _tick_structure(VARIANTS[1])          # 1f1b, overlap=False
   assert len(structure) == 2
   assert all(waits and not feeds for waits, feeds in structure)
+
+
+def _dus_and_copy_shapes(body: str) -> tuple[list, list]:
+  """(output shapes of the dynamic-update-slices, of the copies) at the top level of one HLO
+  computation (a fusion XLA named for a dynamic-update-slice counts; a copy inside a fusion
+  is no copy)."""
+  found = {"dus": [], "copy": []}
+  for name, shape, opcode in re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+\[[\d,]*\])\S* ([\w\-]+)\(",
+                                        body, re.M):
+    if opcode == "dynamic-update-slice" or (opcode == "fusion" and "dynamic-update-slice" in name):
+      found["dus"].append(shape)
+    elif opcode == "copy":
+      found["copy"].append(shape)
+  return found["dus"], found["copy"]
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[8], VARIANTS[0]], ids=["zb_h1", "1f1b"])
+def test_each_op_files_its_records_in_place(variant):
+  """A tick writes only what its op made: the stash (and, for zb_h1, kept) slots are written
+  inside the branch of the op that files there, so the tick loop's own dynamic-update-slices
+  are the two receive-slot puts only (a switch over all ops returned a record from every
+  branch, zeros where none, and wrote it into a slot after it on every tick); and no loop
+  body or branch copies a slot array whole (XLA does where one op's cond reads a buffer that
+  a later cond writes)."""
+  hlo = _compiled(variant)[0].as_text()
+  (body,) = [b for b in _while_bodies(hlo) if "collective-permute" in hlo and
+             len(re.findall(r" conditional\(", b)) >= 4]   # the tick loop: sends and ops
+  puts, _ = _dus_and_copy_shapes(body)
+  assert len(puts) == 2 and len(set(puts)) == 1      # forward and backward messages
+  branches = [c for names in re.findall(r" conditional\(.*?branch_computations=\{([^}]*)\}",
+                                        body)
+              for c in re.findall(r"%?([\w.\-]+)", names)]
+  slot_arrays = {shape for name in branches for shape in _dus_and_copy_shapes(
+      _computation(hlo, name))[0] if shape not in puts}
+  assert len(slot_arrays) >= (8 if variant[0] == "zb_h1" else 4)
+  copied = [shape for name in [*branches, None] for shape in
+            _dus_and_copy_shapes(body if name is None else _computation(hlo, name))[1]]
+  assert not slot_arrays & set(copied)
 
 
 # ----------------------------------------------------------------------------- the trainer

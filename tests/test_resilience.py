@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -80,6 +81,68 @@ def test_the_group_self_check_runs_every_probe_and_agrees_on_a_verdict(tmp_path,
   assert json.loads((tmp_path / "out" / "slot3.json").read_text()) == results[3]
 
 
+def test_a_restarted_groups_self_check_loads_its_collectives_from_the_compile_cache(
+    tmp_path, monkeypatch):
+  """JAX's cache serves process 0 only: every other process compiled the probes' all-gathers
+  at every restart. Each group here plays a new process (its in-memory programs dropped)."""
+  import jax
+  from mscale_jax import compile_cache
+  previous = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+  compiles, loads = [], []
+  compile_ = jax.stages.Lowered.compile
+  monkeypatch.setattr(jax.stages.Lowered, "compile",
+                      lambda self, *a, **k: (compiles.append(1), compile_(self, *a, **k))[1])
+  load = compile_cache.serialize_executable.deserialize_and_load
+  monkeypatch.setattr(compile_cache.serialize_executable, "deserialize_and_load",
+                      lambda *a, **k: (loads.append(1), load(*a, **k))[1])
+  block = np.random.default_rng(3).normal(size=(5, 7)).astype(np.float32)
+  try:
+    for group, corrupt in enumerate([False, True]):
+      monkeypatch.setattr(compile_cache, "_LIVE", {})
+      monkeypatch.setattr(selfcheck, "_GATHERS", {})
+      compiles.clear(), loads.clear()
+      verdict, results = selfcheck.run_in_group(str(tmp_path / f"out{group}"),
+                                                str(tmp_path / "ckpt"), slot=0, corrupt=corrupt)
+      # Three all-gathers (barriers and results, the 1024-float block, the bandwidth block):
+      # compiled by the first group, loaded by the restarted one.
+      assert (len(compiles), len(loads)) == ((3, 0) if group == 0 else (0, 3))
+      assert results[0]["allgather"]["wrong_ranks"] == ([0] if corrupt else [])
+      assert (verdict[0] is not None) == corrupt
+      np.testing.assert_array_equal(selfcheck.process_allgather(block), block[None])
+  finally:
+    jax.config.update("jax_compilation_cache_dir", previous)
+
+
+def test_a_process_waits_for_the_coordinator_to_open_and_names_one_that_never_does():
+  import threading
+  from mscale_jax.resilience.worker.distributed import wait_for_coordinator
+  probe = socket.socket()
+  probe.bind(("127.0.0.1", 0))
+  port = probe.getsockname()[1]
+  probe.close()                           # nothing listens there yet
+  with pytest.raises(ConfigError, match="coordinator"):
+    wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=0.3)
+  listener, accepted = socket.socket(), []
+
+  def open_late():
+    time.sleep(0.3)                       # the coordinator opens while the other one polls
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    listener.settimeout(10)
+    accepted.append(listener.accept()[0])
+
+  opener = threading.Thread(target=open_late)
+  opener.start()
+  try:
+    wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=10)
+    opener.join()
+    assert accepted                       # it returned because a connection went through
+  finally:
+    for s in accepted + [listener]:
+      s.close()
+
+
 # -- heartbeats over HTTP ----------------------------------------------------------------------
 
 def test_heartbeats_reach_the_server_and_carry_the_failure():
@@ -92,6 +155,10 @@ def test_heartbeats_reach_the_server_and_carry_the_failure():
     beat, _ = server.latest()[1]
     assert (beat.rank, beat.attempt, beat.slot, beat.phase, beat.step, beat.loss) == \
         (1, 2, 3, events.TRAINING, 7, 2.5)
+    time.sleep(0.2)
+    hooks.post()   # a later heartbeat, no new step: how long ago step 7 was checked
+    beat, _ = server.latest()[1]
+    assert beat.step == 7 and beat.step_age_s >= 0.2
     assert beat.pid == os.getpid() and beat.host == socket.gethostname()
     hooks.failure(events.EXCEPTION, "RuntimeError: boom", step=8)
     beat, _ = server.latest()[1]

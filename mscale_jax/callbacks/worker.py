@@ -76,7 +76,7 @@ class FaultInjection(Callback):
     if self.injector.armed("nan"):
       with jax.set_mesh(run.trainer.mesh):
         self._poison = nan_program(run.state["params"],
-                                   run.trainer.state_shardings["params"])
+                                   run.trainer.state_shardings["params"], run.trainer.mesh)
 
   def on_step_start(self, run, step):
     self.injector.before_step(step)

@@ -3,8 +3,8 @@
 SPMD: every stage runs the same program inside `jax.shard_map`, manual over 'stage' only (data,
 fsdp and tensor stay automatic, so the tensor-parallel region works inside a stage as it does
 without a pipeline). A `lax.scan` walks the ticks; at each tick a stage reads its row of the
-plan (`pipeline_plan.py`, indexed by `axis_index('stage')`) and `lax.switch`es to the branch
-of its action, one per (kind, first chunk?, last chunk?) the table uses:
+plan (`pipeline_plan.py`, indexed by `axis_index('stage')`) and runs the branch of its
+action, one per (kind, first chunk?, last chunk?) the table uses:
   idle      nothing;
   F         its chunk of layers on a microbatch; the model's first chunk embeds the tokens
             first, its last ends in the loss head. With recompute='none' or 'selective'
@@ -25,7 +25,7 @@ of its action, one per (kind, first chunk?, last chunk?) the table uses:
             those and the same stash (the model's first chunk: its whole backward).
 The loss head runs on the last chunk's ticks only and the embedding lookup on the first
 chunk's forward ticks only; the embedding's backward (a scatter-add into the table gradient)
-runs outside the switch, on every stage at the ticks where the first chunk's backward runs
+runs outside the branches, on every stage at the ticks where the first chunk's backward runs
 (zeros on the other stages): inside it, XLA:CPU partitions that scatter-add with collectives
 over all devices, which deadlock when stages take different branches. Forward outputs travel
 a ring `ppermute` to stage s+1 (stage p-1 -> 0 is interleaving's wrap-around), input
@@ -34,11 +34,14 @@ receive slots and stashes in stash slots, assigned from the table's lifetimes, s
 follows the schedule: 1F1B stashes ~p microbatches where GPipe stashes m * v. `loss` runs
 the forwards alone (evaluation).
 
-A tick's fixed cost is kept small (on CPU it is paid every tick): a branch reads the buffers
-read-only and returns only what its op made (outputs, a stash or kept record, one chunk's
-gradients; zeros of its own making where none), filed or added after the switch; a collective
-outside it (a send, the embedding's backward) runs only at the ticks that need it, under a
-condition the same on every stage (`Plan.every_stage`).
+A tick's fixed cost is kept small (on CPU it is paid every tick): each op's branch runs
+under a `lax.cond` of its own whose other branch passes the buffers through, and files its
+record into its slots and adds its gradients into the sums itself, so XLA updates the buffers
+in place and a tick writes only what its op made (a `lax.switch` over all ops would have to
+return a record and gradients from every branch: zeros where the op made none, then written
+or added into the buffers on every tick). A collective outside the branches (a send, the
+embedding's backward) runs only at the ticks that need it, under a condition the same on
+every stage (`Plan.every_stage`).
 
 PP overlap (MegaScale section 3.2): with `overlap=True` the executor runs the table with one
 tick of latency. Tick t's outputs are carried to tick t+1, which issues their ppermutes
@@ -66,8 +69,6 @@ from mscale_jax.parallel import schedule as schedule_lib
 
 AXIS = "stage"
 BLOCKS = chunks_lib.BLOCKS
-# lax.switch branches; the model's first chunk runs FORWARD / BACKWARD with `first` set.
-IDLE, FORWARD, FORWARD_LAST, BACKWARD, BACKWARD_LAST = range(5)
 
 
 def layer_order(num_layers: int, stages: int, virtual: int) -> np.ndarray:
@@ -167,85 +168,68 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     kept = pools_lib.Kept({(op.first, op.last): program.kept_shapes(op) for op in plan.ops
                            if op.kind == schedule_lib.BACKWARD}, plan.cotangent_slots)
 
-  def accumulate(state, c, d_cp, d_sp):   # added into the sums after the switch
-    return {**state, "d_chunk": d_cp, "d_shared": {**zero_shared, **d_sp}}
+  # An op's branch takes the buffers it may write ("m": slots it files into, sums it adds
+  # to, its outputs) and the tick's inputs ("t"), and returns the buffers, updated in place.
+  def accumulate(m, t, d_cp, d_sp):
+    grads = jax.tree.map(lambda a, b: a.at[t["c"]].add(b), m["grad_chunks"], d_cp)
+    shared = {**m["grad_shared"], **jax.tree.map(jnp.add, {k: m["grad_shared"][k] for k in d_sp},
+                                                 d_sp)}
+    return {**m, "grad_chunks": grads, "grad_shared": shared}
 
-  def add_loss(state, value):
-    return {**state, "loss": state["loss"] + value}
+  def add_loss(m, value):
+    return {**m, "loss": m["loss"] + value}
 
-  def forward(op, state, t):
+  def forward(op, m, t):
     x = program.embed(t["tokens"]) if op.first else t["x_in"]
     if recompute is None:   # evaluation
       out = program.apply(op, t["cp"], x, t["tgt"])
-      return (add_loss(state, out), act, act) if op.last else (state, out, act)
+      return add_loss(m, out) if op.last else {**m, "out_f": out}
     out, leaves = program.forward(op, t["cp"], x, t["tgt"])
-    state = {**state, "stash_out": pools.record(op, leaves)}
+    m = {**m, "pools": pools.file(m["pools"], op, leaves, t["stash_slots"])}
     if op.last:
-      return (state if recompute == "full" else add_loss(state, out)), act, act
-    return state, out, act
+      return m if recompute == "full" else add_loss(m, out)
+    return {**m, "out_f": out}
 
-  def backward_of(op, state, t):
+  def backward_of(op, m, t):
     """The chunk's vjp, from its stash (and, with recompute, the loss it recomputed)."""
-    leaves = pools.load(t["pools"], op, t["stash_slots"])
+    leaves = pools.load(m["pools"], op, t["stash_slots"])
     return program.vjp(op, t["cp"], leaves, t["tokens"], t["tgt"])
 
   def seed(op, t):   # the output cotangent: 1 for the loss, else the received message
     return jnp.ones((), jnp.float32) if op.last else t["g_in"]
 
-  def backward(op, state, t):
+  def backward(op, m, t):
     g = seed(op, t)
     if plan.split_backward:   # B: the input cotangent; W gets what it needs of B's work
       if op.first:    # nothing to send; its W runs the whole backward, into the embedding
-        return {**state, "cot_out": kept.record(op, [g])}, act, act
-      leaves = pools.load(t["pools"], op, t["stash_slots"])
+        return {**m, "cot": kept.file(m["cot"], op, [g], t["cot_slot"])}
+      leaves = pools.load(m["pools"], op, t["stash_slots"])
       d_x, value, saved = program.backward_input(op, t["cp"], leaves, t["tgt"], g)
-      state = {**add_loss(state, value), "cot_out": kept.record(op, saved)}
-      return state, act, d_x
-    vjp, value = backward_of(op, state, t)
-    state = state if value is None else add_loss(state, value)
+      m = add_loss(m, value)
+      return {**m, "cot": kept.file(m["cot"], op, saved, t["cot_slot"]), "out_b": d_x}
+    vjp, value = backward_of(op, m, t)
+    m = m if value is None else add_loss(m, value)
     d_cp, d_sp, d_x = vjp(g)
-    return accumulate(state, t["c"], d_cp, d_sp), act, d_x
+    return {**accumulate(m, t, d_cp, d_sp), "out_b": d_x}
 
-  def weight(op, state, t):
-    saved = kept.load(t["cots"], op, t["cot_slot"])
+  def weight(op, m, t):
+    saved = kept.load(m["cot"], op, t["cot_slot"])
     if op.first:
-      vjp, _ = backward_of(op, state, t)
+      vjp, _ = backward_of(op, m, t)
       d_cp, d_sp, d_x = vjp(saved[0])
-      return accumulate(state, t["c"], d_cp, d_sp), act, d_x
-    leaves = pools.load(t["pools"], op, t["stash_slots"])
-    d_cp, d_sp = program.backward_weights(op, saved, t["cp"], leaves, t["tgt"])
-    return accumulate(state, t["c"], d_cp, d_sp), act, act
+      return {**accumulate(m, t, d_cp, d_sp), "out_b": d_x}
+    leaves = pools.load(m["pools"], op, t["stash_slots"])
+    return accumulate(m, t, *program.backward_weights(op, saved, t["cp"], leaves, t["tgt"]))
 
-  def idle(op, state, t):
-    return state, act, act
-
-  zero_shared = jax.tree.map(jnp.zeros_like, shared)
-  kinds = {"idle": idle, schedule_lib.FORWARD: forward, schedule_lib.BACKWARD: backward,
+  kinds = {schedule_lib.FORWARD: forward, schedule_lib.BACKWARD: backward,
            schedule_lib.WEIGHT: weight}
-
-  def branch(op):   # zeros made in the branch: a blank passed in is copied through the switch
-    def run(state, t):
-      state, out_f, out_b = kinds[op.kind](op, state, t)
-      if "pools" in t and "stash_out" not in state:
-        state = {**state, "stash_out": pools.blank()}
-      if "cots" in t and "cot_out" not in state:
-        state = {**state, "cot_out": kept.blank()}
-      if recompute is not None and "d_chunk" not in state:
-        state = {**state, "d_chunk": jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype),
-                                                  chunks), "d_shared": zero_shared}
-      return state, out_f, out_b
-    return run
-  branches = [branch(op) for op in plan.ops]
-  ring_f, ring_b = _ring(p, +1, wrap=v > 1), _ring(p, -1, wrap=v > 1)
-
-  # Records are filed after the switch; ticks that file nothing write a spare last slot.
-  files = {pool: jnp.asarray([op.kind == schedule_lib.FORWARD and (pool == plan_lib.MAIN or
-                                                                  op.last) for op in plan.ops])
-           for pool in (plan_lib.MAIN, plan_lib.LAST)}
-  slot_field = {plan_lib.MAIN: "stash_slot", plan_lib.LAST: "last_slot"}
-  files_cot = jnp.asarray([op.kind == schedule_lib.BACKWARD for op in plan.ops])
-  big = ("inbox", "out_f", "out_b", "pools", "cot", "grad_chunks", "grad_shared")
+  mutable = ("loss", "pools", "cot", "grad_chunks", "grad_shared")
+  # The ops' conds in this order: forwards (they write the stash), B (reads it, writes kept),
+  # W (reads both). XLA copies a buffer whole where one cond reads it and a later one writes.
+  order = sorted((k for k, op in enumerate(plan.ops) if op != plan_lib.IDLE),
+                 key=lambda k: list(kinds).index(plan.ops[k].kind))
   embeds_back = jnp.asarray([op.first and op.kind == table.release_kind for op in plan.ops])
+  ring_f, ring_b = _ring(p, +1, wrap=v > 1), _ring(p, -1, wrap=v > 1)
 
   def tick(carry, rows):
     row, every = rows
@@ -254,24 +238,20 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
     slot = lambda name: jnp.maximum(f[name], 0)
     t = {"c": c, "cp": jax.tree.map(lambda a: a[c], chunks), "tokens": inputs[i],
          "tgt": targets[i], "x_in": carry["inbox"][slot("x_slot")],
-         "g_in": carry["inbox"][slot("g_slot")]}
-    state = {k: carry[k] for k in carry if k not in big}
-    if "pools" in carry:
-      # Read-only in the switch (a branch slices the slot it needs); written after it.
-      t["pools"] = carry["pools"]
-      t["stash_slots"] = {pool: slot(name) for pool, name in slot_field.items()}
-    if "cot" in carry:
-      t["cots"], t["cot_slot"] = carry["cot"], slot("cot_slot")
-    state, out_f, out_b = jax.lax.switch(f["op"], branches, state, t)
-    if recompute is not None:
-      state["grad_chunks"] = jax.tree.map(lambda a, b: a.at[c].add(b), carry["grad_chunks"],
-                                          state.pop("d_chunk"))
-      state["grad_shared"] = jax.tree.map(jnp.add, carry["grad_shared"], state.pop("d_shared"))
+         "g_in": carry["inbox"][slot("g_slot")],
+         "stash_slots": {plan_lib.MAIN: slot("stash_slot"), plan_lib.LAST: slot("last_slot")},
+         "cot_slot": slot("cot_slot")}
+    state = {k: carry[k] for k in mutable if k in carry} | {"out_f": act, "out_b": act}
+    for k in order:   # the stage's op of this tick (none on an idle tick)
+      op = plan.ops[k]
+      state = jax.lax.cond(f["op"] == k, functools.partial(kinds[op.kind], op),
+                           lambda state, t: state, state, t)
+    out_f, out_b = state.pop("out_f"), state.pop("out_b")
     if recompute is not None and program.replicated:
-      # The embedding's backward, outside the switch (see `pipeline_chunks.Chunks`), at
+      # The embedding's backward, outside the branches (see `pipeline_chunks.Chunks`), at
       # ticks where a stage runs the first chunk's backward, on every stage: fed that chunk's
-      # input cotangent there, zeros elsewhere. (Kept per microbatch and run once after the ticks instead,
-      # its buffer would grow with m and undo 1F1B's bounded memory.)
+      # input cotangent there, zeros elsewhere. (Kept per microbatch and run once after the
+      # ticks instead, its buffer would grow with m and undo 1F1B's bounded memory.)
       def embed_backward(grads):
         _, embed_vjp = jax.vjp(lambda tables: program.embed(t["tokens"], tables),
                                {k: shared[k] for k in program.replicated})
@@ -281,13 +261,6 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
       tables = {k: state["grad_shared"][k] for k in program.replicated}
       tables = jax.lax.cond(every["embed_back"], embed_backward, lambda g: g, tables)
       state["grad_shared"] = {**state["grad_shared"], **tables}
-    if "pools" in carry:
-      write = {pool: jnp.where(files[pool][f["op"]], t["stash_slots"][pool],
-                               plan.stash_slots[pool]) for pool in files}
-      state["pools"] = pools.write(carry["pools"], state.pop("stash_out"), write)
-    if "cot" in carry:
-      write = jnp.where(files_cot[f["op"]], slot("cot_slot"), plan.cotangent_slots)
-      state["cot"] = kept.write(carry["cot"], state.pop("cot_out"), write)
     if overlap:   # send the previous tick's outputs while this tick computed
       send_f, send_b = carry["out_f"], carry["out_b"]
     else:
@@ -304,7 +277,7 @@ def _per_stage(blocks, shared, batch, *, graphdef, plan: plan_lib.Plan, overlap:
   carry = {"inbox": _slots(plan.inbox_slots + 1, act), "loss": jnp.zeros((), jnp.float32)}
   if recompute is not None:
     carry.update(pools=pools.zeros(), grad_chunks=jax.tree.map(jnp.zeros_like, chunks),
-                 grad_shared=zero_shared)
+                 grad_shared=jax.tree.map(jnp.zeros_like, shared))
   if plan.split_backward:
     carry.update(cot=kept.zeros())
   if overlap:

@@ -1,7 +1,7 @@
 """Stash and cotangent slots of the pipeline executor (`pipeline.py`): per-leaf arrays with a
 leading slot axis, sized from the schedule table (`pipeline_plan.Plan`), so memory follows the
-schedule. A tick that files nothing writes a spare last slot (the switch's branches must all
-return the same record)."""
+schedule. The op that makes a record files it, leaf by leaf, into its slots (in place: the
+executor runs each op under a `lax.cond` that passes the arrays through otherwise)."""
 import jax
 import jax.numpy as jnp
 
@@ -36,71 +36,59 @@ class Pools:
       self.layout[op.first, op.last] = where
 
   def zeros(self) -> dict:
-    """The pools, each array [slots + 1, *shape]: the last slot takes writes of ticks that
-    file nothing."""
+    """The pools, each array [slots, *shape]."""
     # No layout asked for: XLA lays each out as the records filed into it are (asked for the
     # activations' layout, it resharded a record on every tick, with an all-to-all).
-    return {pool: [jnp.zeros((self.plan.stash_slots[pool] + 1,) + shape, dtype)
+    return {pool: [jnp.zeros((self.plan.stash_slots[pool],) + shape, dtype)
                    for shape, dtype, _ in keys] for pool, keys in self.arrays.items()}
 
-  def blank(self) -> dict:
-    """A record of one slot of every array, zeros (what a tick that files nothing writes)."""
-    return {pool: [jnp.zeros(shape, dtype) for shape, dtype, _ in keys]
-            for pool, keys in self.arrays.items()}
-
-  def record(self, op, leaves) -> dict:
-    """`blank()` with `op`'s stashed leaves in their places."""
-    out = self.blank()
+  def file(self, pools: dict, op, leaves, slots: dict) -> dict:
+    """`pools` with `op`'s stashed `leaves` in slot `slots[pool]` of their arrays."""
+    pools = {pool: list(arrays) for pool, arrays in pools.items()}
     for leaf, (pool, k) in zip(leaves, self.layout[op.first, op.last]):
-      out[pool][k] = leaf
-    return out
+      pools[pool][k] = put(pools[pool][k], leaf, slots[pool])
+    return pools
 
   def load(self, pools: dict, op, slots: dict) -> list:
     """`op`'s stashed leaves, from slot `slots[pool]` of each pool."""
     return [pools[pool][k][slots[pool]] for pool, k in self.layout[op.first, op.last]]
 
-  def write(self, pools: dict, record: dict, slots: dict) -> dict:
-    """`pools` with `record` written into slot `slots[pool]` of each pool."""
-    return {pool: [put(a, r, slots[pool]) for a, r in zip(arrays, record[pool])]
-            for pool, arrays in pools.items()}
 
 
 class Kept:
   """Slots for what a split backward's B keeps for its W (`backward_split`): one array
-  [slots + 1, *shape] per leaf; the kinds of chunk share arrays by (shape, dtype, j), as the
-  stash does. `shapes`: {(op.first, op.last): [ShapeDtypeStruct]}."""
+  [slots, *shape] per leaf; the kinds of chunk but the model's first share arrays by (shape,
+  dtype, j), as the stash does. The first chunk keeps its output cotangent (a message, laid
+  out as the activations are), the others what their B computed (laid out as B made it, a
+  logits cotangent over the vocabulary, say): in one array, a record laid out unlike the
+  array would be resharded (an all-to-all) on every write and read. `shapes`: {(op.first,
+  op.last): [ShapeDtypeStruct]}."""
 
   def __init__(self, shapes: dict, slots: int):
     self.slots, self.keys, self.layout = slots, [], {}
-    for kind, leaves in shapes.items():
+    for (first, last), leaves in shapes.items():
       seen, where = {}, []
       for leaf in leaves:
         key = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
-        key = key + (seen.get(key, 0),)
+        key = key + (seen.get(key, 0), first)
         seen[key[:2]] = key[2] + 1
         if key not in self.keys:
           self.keys.append(key)
         where.append(self.keys.index(key))
-      self.layout[kind] = where
+      self.layout[first, last] = where
 
   def zeros(self) -> list:
-    return [jnp.zeros((self.slots + 1,) + shape, dtype) for shape, dtype, _ in self.keys]
+    return [jnp.zeros((self.slots,) + shape, dtype) for shape, dtype, *_ in self.keys]
 
-  def blank(self) -> list:
-    return [jnp.zeros(shape, dtype) for shape, dtype, _ in self.keys]
-
-  def record(self, op, leaves) -> list:
-    """`blank()` with `op`'s kept leaves in their places."""
-    out = self.blank()
+  def file(self, arrays: list, op, leaves, slot) -> list:
+    """`arrays` with `op`'s kept `leaves` in slot `slot` of theirs."""
+    arrays = list(arrays)
     for leaf, k in zip(leaves, self.layout[op.first, op.last]):
-      out[k] = leaf
-    return out
+      arrays[k] = put(arrays[k], leaf, slot)
+    return arrays
 
   def load(self, arrays: list, op, slot) -> list:
     return [arrays[k][slot] for k in self.layout[op.first, op.last]]
-
-  def write(self, arrays: list, record: list, slot) -> list:
-    return [put(a, r, slot) for a, r in zip(arrays, record)]
 
 
 def put(array, record, slot):

@@ -91,6 +91,7 @@ class Heartbeat:
   grad_norm: float | None = None
   step_time_s: float | None = None     # mean seconds per step since the previous heartbeat
   data_wait_s: float | None = None     # mean seconds per step spent waiting for the batch
+  step_age_s: float | None = None      # seconds since `step` was checked, when this was sent
   nonfinite_steps: int = 0
   time: float = dataclasses.field(default_factory=time.time)
   log_tail: list[str] = dataclasses.field(default_factory=list)

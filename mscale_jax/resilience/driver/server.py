@@ -80,7 +80,7 @@ def _check_ranges(obj: dict, num_ranks: int | None) -> None:
   for field in ("pid", "attempt", "slot", "step", "nonfinite_steps"):
     if field in obj and not 0 <= obj[field] < MAX_COUNT:
       bad(field, "in [0, 2**53)")
-  for field in ("step_time_s", "data_wait_s", "time"):
+  for field in ("step_time_s", "data_wait_s", "step_age_s", "time"):
     if obj.get(field) is not None and not (math.isfinite(obj[field]) and obj[field] >= 0):
       bad(field, "a finite number >= 0")
   if obj.get("phase", events.STARTING) not in events.PHASES:

@@ -2,7 +2,8 @@
 
 A worker's first seconds go to importing JAX, Flax, Optax, Orbax and the trainer. The driver
 keeps a pool of standby processes that have paid that already (`StandbyPool`, filled once a
-group is training, so the imports never compete with a group's start-up): each ran
+group is training, so the imports never compete with a group's start-up; two groups' worth when
+restarted groups self-check, as one that fails a slot exits before it trains): each ran
 
   python -m mscale_jax.resilience.driver.standby MODULE
 

@@ -12,10 +12,8 @@ heartbeats over HTTP/JSON, and declares a failure when a worker
                                           heartbeat at all; compiling gets startup_timeout_s,
                                           a checkpoint save or evaluation io_timeout_s)
 
-The hang limit adapts to the job (as a watchdog must: a fixed one is either too long for fast
-steps or too short for slow ones): hang_timeout_s until the job has reported HANG_WARMUP step
-times (its first steps: compilation, first saves), then hang_step_factor x the 95th percentile
-of its recent step times, at least hang_floor_s (and never above hang_timeout_s's floor).
+The hang limit adapts to the job (hang_limit.py): hang_timeout_s until its step time is known,
+then hang_step_factor x its median step time, at least hang_floor_s.
 
 It files the failure on the rank at fault (blame.py), kills the whole group and restarts it,
 from warm standby processes when it has them (standby.py). The restarted group first runs the
@@ -40,7 +38,7 @@ import time
 from mscale_jax.files import write_json
 from mscale_jax.observability.observer import Observer
 from mscale_jax.resilience import events
-from mscale_jax.resilience.driver import blame, claim
+from mscale_jax.resilience.driver import blame, claim, hang_limit
 from mscale_jax.resilience.driver.injector import OsInjector, group_step
 from mscale_jax.resilience.driver.recovered import RecoveredLog
 from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
@@ -86,11 +84,6 @@ class DriverOptions:
   # trains on the job's first `minder_fit_s` seconds), observer.DETECTORS.
   straggler_detector: str = "threshold"
   minder_fit_s: int = 120
-
-
-# The adaptive hang limit: step times (one per heartbeat) before it applies, and how many recent
-# ones it reads.
-HANG_WARMUP, HANG_WINDOW = 20, 100
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -152,7 +145,10 @@ class Driver:
     self._serve_heartbeats()
     start, attempt0 = self._resume()
     warm = self.o.standby and self.o.max_restarts > 0
-    self.pool = StandbyPool(self.o.worker_command, self.o.num_processes if warm else 0,
+    # Refilled once a group trains; a group whose self-check fails a slot exits before it does,
+    # so with self-checks the pool holds the processes of the group after that one too.
+    size = self.o.num_processes * (2 if self.o.self_check else 1) if warm else 0
+    self.pool = StandbyPool(self.o.worker_command, size,
                             dict(os.environ, XLA_FLAGS=self._xla_flags()),
                             os.path.join(self.workdir, "logs"))
     outcome = "failed"
@@ -385,7 +381,10 @@ class Driver:
     for rank, (beat, received) in beats.items():
       step, phase, since = group.progress.get(rank, (None, None, group.started))
       if (beat.step, beat.phase) != (step, phase):
-        group.progress[rank] = (beat.step, beat.phase, received)
+        # A new step counts from when the worker checked it, not from when the (periodic)
+        # heartbeat saying so came; a new phase from when it came (it is sent at once).
+        age = (beat.step_age_s or 0.0) if beat.phase == phase else 0.0
+        group.progress[rank] = (beat.step, beat.phase, max(received - age, since))
         if beat.step_time_s and beat.phase == events.TRAINING and beat.step != step:
           group.step_times.append(beat.step_time_s)
       if beat.step > group.max_step:
@@ -395,15 +394,13 @@ class Driver:
           group.first_step_at = received
 
   def hang_limit(self, group: _Group) -> float:
-    """Seconds without a new step that make a hang (module docstring): step times from the
+    """Seconds without a new step that make a hang (hang_limit.py): step times from the
     heartbeats of this group and the earlier ones (the same job, the same steps)."""
     o = self.o
-    # Each poll calls this and the lists grow all job long: copy only their last HANG_WINDOW.
-    times = (self._step_times[-HANG_WINDOW:] + group.step_times[-HANG_WINDOW:])[-HANG_WINDOW:]
-    if len(times) < HANG_WARMUP:
-      return max(o.hang_timeout_s, o.hang_step_factor * (statistics.median(times) if times else 0))
-    p95 = statistics.quantiles(times, n=20)[-1]
-    return max(min(o.hang_floor_s, o.hang_timeout_s), o.hang_step_factor * p95)
+    # Each poll calls this and the lists grow all job long: copy only their last WINDOW.
+    window = hang_limit.WINDOW
+    times = (self._step_times[-window:] + group.step_times[-window:])[-window:]
+    return hang_limit.limit_s(times, o.hang_timeout_s, o.hang_floor_s, o.hang_step_factor)
 
   def _check_progress(self, group: _Group, beats, codes: list,
                       now: float) -> events.Failure | None:

@@ -21,8 +21,12 @@ import time
 from mscale_jax.errors import ConfigError
 
 
-def wait_for_coordinator(address: str, timeout_s: float) -> None:
-  """Returns once `address` (host:port) accepts TCP connections; ConfigError after `timeout_s`."""
+def wait_for_coordinator(address: str, timeout_s: float, poll_s: float = 0.02) -> None:
+  """Returns once `address` (host:port) accepts TCP connections; ConfigError after `timeout_s`.
+
+  Tries every `poll_s`: a restarted group's processes start together and process 0 opens the
+  service moments later, so the others' wait is on every restart's critical path (a refused
+  connection costs microseconds; at 0.2 s the wait overshot by 0.1 s on average)."""
   host, _, port = address.rpartition(":")
   deadline = time.monotonic() + timeout_s
   while True:
@@ -33,7 +37,7 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
       if time.monotonic() > deadline:
         raise ConfigError("coordinator", address, f"a reachable host:port (nothing accepted "
                           f"connections for {timeout_s:g} s: {e})") from None
-      time.sleep(0.2)
+      time.sleep(poll_s)
 
 
 def initialize_distributed(env=None) -> bool:

@@ -126,12 +126,23 @@ def slot_is_bad(env, workdir: str) -> bool:
       bad_slot_marker(workdir, int(env.get("MSCALE_SLOT", "0")))))
 
 
-def nan_program(tree, shardings):
+def nan_program(tree, shardings, mesh):
   """The separate program a `nan` fault runs: a copy of the array pytree `tree` (its shapes,
-  as `shardings` lay it out) filled with NaN, compiled now; the arrays it is given are left as
-  they are."""
+  as `shardings` lay it out on `mesh`) filled with NaN, ready now; the arrays it is given are
+  left as they are.
+
+  Served by this process's compile cache (compile_cache.py) where one is configured: it is
+  made at the start of every run in which the fault is still armed, i.e. every restart before
+  it fires, and JAX's own cache serves only process 0, so every other process compiled it
+  again while process 0 waited for it at the first step.
+  """
   import jax
   import jax.numpy as jnp
-  fill = jax.jit(lambda t: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), t),
-                 out_shardings=shardings)
-  return fill.lower(tree).compile()
+  from mscale_jax import compile_cache
+
+  def nan_fill(t):
+    return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), t)
+  fill = jax.jit(nan_fill, out_shardings=shardings)
+  program, _ = compile_cache.load_or_lower(fill.lower, (tree,), "nan_fill", mesh,
+                                           f"nan fill, out_shardings {shardings!r}")
+  return program

@@ -202,6 +202,8 @@ class HeartbeatClient:
     host = self._probe() if self._probe is not None else None
     with self._lock:
       self.beat.time = time.time()
+      since = self._since
+      self.beat.step_age_s = None if since is None else time.perf_counter() - since[1]
       if self._tail is not None:
         self.beat.log_tail = list(self._tail.lines)
       if self._phases is not None:

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 
+from mscale_jax import compile_cache
 from mscale_jax.files import write_json
 from mscale_jax.resilience import events
 from mscale_jax.resilience.worker.faults import corrupt_received, slot_is_bad
@@ -41,8 +42,9 @@ def probe_matmul(size: int = 384, repeats: int = 10) -> float:
   device makes every run slow.
   """
   import jax
-  import jax.numpy as jnp
-  x = jax.device_put(jnp.ones((size, size), jnp.float32) / size, jax.local_devices()[0])
+  import numpy as np
+  # Made on the host: eager jnp ops would compile three more small programs per restart.
+  x = jax.device_put(np.full((size, size), 1.0 / size, np.float32), jax.local_devices()[0])
   matmul = jax.jit(lambda a: a @ a)
   matmul(x).block_until_ready()
   times = []
@@ -57,19 +59,63 @@ def probe_allgather(corrupt: bool, bandwidth_bytes: int = 1 << 22) -> dict:
   """Correctness (ranks whose block arrived wrong here) and bandwidth of a cross-process
   all-gather; `corrupt`: this process is on a bad slot (what it receives arrives corrupt)."""
   import numpy as np
-  from jax.experimental import multihost_utils
   import jax
   rank, count = jax.process_index(), jax.process_count()
   expected = lambda r: np.arange(1024, dtype=np.float32) * (r + 1) + r   # noqa: E731
-  gathered = multihost_utils.process_allgather(expected(rank))
+  gathered = process_allgather(expected(rank))
   gathered = np.asarray(corrupt_received(gathered) if corrupt else gathered)
   wrong = [r for r in range(count) if not np.array_equal(gathered[r], expected(r))]
   big = np.full(bandwidth_bytes // 4, rank, np.float32)
-  multihost_utils.process_allgather(big)   # warm-up (compiles)
+  process_allgather(big)   # warm-up (loads or compiles; connects the collective)
   start = time.perf_counter()
-  multihost_utils.process_allgather(big)
+  process_allgather(big)
   seconds = time.perf_counter() - start
   return {"wrong_ranks": wrong, "gbytes_per_s": bandwidth_bytes * count / seconds / 1e9}
+
+
+def process_allgather(block):
+  """[process_count, *block.shape]: every process's numpy `block`, by one cross-process
+  all-gather on all devices (the program `jax.experimental.multihost_utils.process_allgather`
+  runs), served by this process's compile cache where one is configured (compile_cache.py:
+  JAX's own serves process 0 only, so every other process compiled each probe per restart)."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  block = np.asarray(block)[None]
+  devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+  mesh = jax.sharding.Mesh(devices, ("processes", "local_devices"))
+  x = jax.make_array_from_single_device_arrays(
+      (jax.process_count(),) + block.shape[1:], NamedSharding(mesh, P("processes")),
+      [jax.device_put(block, d) for d in jax.local_devices()])
+  key = (block.shape, block.dtype.str, tuple(d.id for d in devices.flat))
+  if key not in _GATHERS:
+    def selfcheck_allgather(a):   # replicated output: XLA all-gathers the processes' blocks
+      return a
+    gather = jax.jit(selfcheck_allgather, out_shardings=NamedSharding(mesh, P()))
+    _GATHERS[key], _ = compile_cache.load_or_lower(gather.lower, (x,), "selfcheck_allgather",
+                                                   mesh, "self-check all-gather")
+  return np.asarray(_GATHERS[key](x).addressable_data(0))
+
+
+_GATHERS = {}   # (block shape, dtype, devices) -> the all-gather program, once per process
+
+
+def barrier(name: str) -> None:
+  """Returns once every process has reached the barrier `name` (an all-gather of the name);
+  AssertionError if another process is at another barrier."""
+  import numpy as np
+  names = process_allgather(_padded(name.encode()))
+  if not (names == names[0]).all():
+    raise AssertionError(f"self-check barrier {name!r}: the processes are at different ones")
+
+
+def _padded(raw: bytes):
+  """`raw` zero-padded to _RESULT_BYTES uint8 (one program shape for barriers and results)."""
+  import numpy as np
+  encoded = np.zeros(_RESULT_BYTES, np.uint8)
+  raw = raw[:_RESULT_BYTES]
+  encoded[:len(raw)] = np.frombuffer(raw, np.uint8)
+  return encoded
 
 
 def probe_write(directory: str, size: int = 1 << 22) -> dict:
@@ -135,20 +181,15 @@ def run_in_group(out_dir: str, checkpoint_dir: str, *, slot: int, corrupt: bool 
   process of the group, after `jax.distributed` is initialised.
   """
   import jax
-  import numpy as np
-  from jax.experimental import multihost_utils
   start = time.perf_counter()
   rate = None
   for rank in range(jax.process_count()):
     if rank == jax.process_index():
       rate = probe_matmul()
-    multihost_utils.sync_global_devices(f"selfcheck matmul {rank}")
+    barrier(f"selfcheck matmul {rank}")
   mine = {"slot": slot, "rank": jax.process_index(), "matmul_gflops": rate,
           "allgather": probe_allgather(corrupt), "write": probe_write(checkpoint_dir)}
-  encoded = np.zeros(_RESULT_BYTES, np.uint8)
-  raw = json.dumps(mine).encode()[:_RESULT_BYTES]
-  encoded[:len(raw)] = np.frombuffer(raw, np.uint8)
-  gathered = np.asarray(multihost_utils.process_allgather(encoded))
+  gathered = process_allgather(_padded(json.dumps(mine).encode()))
   results = {}
   for row in gathered:
     r = json.loads(row.tobytes().rstrip(b"\0"))
