@@ -65,16 +65,17 @@ def _step_of(line: str) -> float:
 class TensorBoard(_StepWriter):
   """Every record's scalars in WORKDIR/tensorboard (`tensorboard --logdir runs`)."""
 
-  _opened = 0
+  _opened = 0   # event files opened in this process
 
   def _open(self, workdir: str, keep_until: int) -> None:
     from tensorboardX import SummaryWriter
-    # Event files are named by the second they were opened: a rewind within the same second
-    # would open (and truncate) the same file, so each open gets its own suffix.
-    self._opened += 1
+    # Event files are named by the second they were opened: a rewind, or a second run of the
+    # workdir in this process, within the same second would open (and truncate) the same file,
+    # so each open in the process gets its own suffix.
+    TensorBoard._opened += 1
     self._handle = SummaryWriter(os.path.join(workdir, "tensorboard"),
                                  purge_step=keep_until + 1 if keep_until else None,
-                                 filename_suffix=f".{self._opened:04d}")
+                                 filename_suffix=f".{TensorBoard._opened:04d}")
 
   def _close(self) -> None:
     self._handle.close()
