@@ -118,22 +118,22 @@ class PipelineConfig:
   chunks (Megatron's interleaving: chunk c of stage s is the (c * stage + s)-th slice of the
   layers). `overlap` sends a tick's outputs while the next tick computes (MegaScale's PP
   overlap: a tick of latency per hop, which the schedule module's tables absorb).
-  `recompute`: 'full' (default) stashes only chunk inputs and runs each chunk's forward
-  again in its backward; 'none' stashes each chunk's backward residuals (per layer its input
-  and its matmul outputs, never its weights) from its forward to its backward,
-  so no matmul runs twice (~15% fewer FLOPs per step than 'full', more memory); 'selective'
-  stashes them but attention's and redoes attention's core (Megatron's selective
-  recomputation). On CPU 1F1B 'none' now runs close to 'full' (0.94x of its tokens/s in the
-  same rounds, results/pipeline_throughput-cpu-20261126T185302.json), so 'full' stays the
-  default (and needs the least memory). Measure 'none' where compute dominates. 'zb_h1'
-  splits the backward into the input gradient (B) and the weight gradient (W), which fills
-  the bubbles.
+  `recompute`: 'none' (default) stashes each chunk's backward residuals (per layer its input
+  and its matmul outputs, never its weights) from its forward to its backward, so no matmul
+  runs twice (~15% fewer FLOPs per step than 'full', more memory); 'full' stashes only chunk
+  inputs and runs each chunk's forward again in its backward (the least memory: the choice
+  where 'none' does not fit); 'selective' stashes the residuals but attention's and redoes
+  attention's core (Megatron's selective recomputation). 'none' is the default as the faster
+  where memory allows: on CPU 1F1B 'none' ran 1.02x and 1.07x of 'full''s tokens/s in the
+  same rounds (results/pipeline_throughput-cpu-20261126T233652.json, ...233849.json), and it
+  does less work on any device. 'zb_h1' splits the backward into the input gradient (B) and
+  the weight gradient (W), which fills the bubbles.
   """
   schedule: str = "1f1b"
   microbatches: int = 4
   virtual_stages: int = 1
   overlap: bool = True
-  recompute: str = "full"
+  recompute: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -416,7 +416,8 @@ class Trainer:
         "flops_formula": "Megatron-LM: 72 l h^2 (1 + s/(6h) + V/(16 l h)), no recomputation "
                          "(mscale_jax.flops.model_flops_per_token)" + (
                              "; the pipeline's backward recomputes each chunk's forward, "
-                             "work this count leaves out" if self.layer_layout[0] > 1 else ""),
+                             "work this count leaves out" if self.layer_layout[0] > 1
+                             and self.config.pipeline.recompute == "full" else ""),
         "mfu": mean_tps * self.flops_per_token / peak.flops,
         "peak_flops": peak.flops,
         "peak_source": peak.source,
