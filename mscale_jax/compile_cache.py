@@ -51,8 +51,17 @@ def cache_folder() -> str | None:
 # as before it; experiments.restart_cost measures the difference).
 PRE_KEY_SWITCH = "MSCALE_COMPILE_CACHE_PREKEY"
 
-# Entry path -> the executable this process compiled or loaded for it.
+# Entry path -> the executable this process compiled or loaded for it, the most recently used
+# _LIVE_MAX (a long-lived process, e.g. a test session, builds many programs).
 _LIVE: dict[str, Any] = {}
+_LIVE_MAX = 64
+
+
+def _keep(path: str, executable) -> None:
+  _LIVE.pop(path, None)
+  _LIVE[path] = executable
+  while len(_LIVE) > _LIVE_MAX:
+    del _LIVE[next(iter(_LIVE))]
 
 # A call back into Python (io_callback, jax.debug.print, the Pallas TPU interpreter).
 _HOST_CALLBACK = re.compile(r"custom_call @\w*python\w*callback")
@@ -94,7 +103,7 @@ def compile_or_load(lowered, name: str, mesh: jax.sharding.Mesh, *,
   if executable is None:
     executable, loaded = lowered.compile(), False
     stored = _write(path, _serialized(executable))
-    _LIVE[path] = executable
+    _keep(path, executable)
   else:
     loaded = stored = True
   if record_pre_key is not None and stored:
@@ -181,7 +190,9 @@ def _load(path: str):
   """The executable serialised at `path` (this process's own if it has one), or None (with a
   warning) if it cannot be loaded."""
   if path in _LIVE:
-    return _LIVE[path]
+    executable = _LIVE[path]
+    _keep(path, executable)
+    return executable
   try:
     with open(path, "rb") as f:
       executable = serialize_executable.deserialize_and_load(*pickle.load(f))
@@ -189,7 +200,7 @@ def _load(path: str):
     log.warning("compile cache: could not load %s (%s: %s); compiling", path,
                 type(e).__name__, e)
     return None
-  _LIVE[path] = executable
+  _keep(path, executable)
   return executable
 
 

@@ -235,17 +235,24 @@ def _read_cached(path: str) -> Corpus | None:
 
 def _write_cached(path: str, corpus: Corpus) -> None:
   """Writes `corpus` to `path` whole or not at all and drops the folder's older versions."""
-  folder = os.path.dirname(path)
+  folder, temp = os.path.dirname(path), None
   try:
     os.makedirs(folder, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as f:
+      temp = f.name
       np.savez(f, train=corpus.train, heldout=corpus.heldout, description=corpus.description)
-    os.replace(f.name, path)
-    for old in os.listdir(folder):
-      if old.startswith("stdlib-") and old.endswith(".npz") and old != os.path.basename(path):
-        os.remove(os.path.join(folder, old))
+    os.replace(temp, path)
   except OSError as e:
     log.warning("corpus cache: could not write %s (%s)", path, e)
+    if temp is not None and os.path.exists(temp):
+      os.remove(temp)
+    return
+  for old in os.listdir(folder):   # a peer process may drop the same ones at the same time
+    if old.startswith("stdlib-") and old.endswith(".npz") and old != os.path.basename(path):
+      try:
+        os.remove(os.path.join(folder, old))
+      except FileNotFoundError:
+        pass
 
 
 def run_tokenizer(workdir: str, data_meta: dict):

@@ -415,9 +415,10 @@ class Trainer:
         "flops_per_token": self.flops_per_token,
         "flops_formula": "Megatron-LM: 72 l h^2 (1 + s/(6h) + V/(16 l h)), no recomputation "
                          "(mscale_jax.flops.model_flops_per_token)" + (
-                             "; the pipeline's backward recomputes each chunk's forward, "
-                             "work this count leaves out" if self.layer_layout[0] > 1
-                             and self.config.pipeline.recompute == "full" else ""),
+                             "; the pipeline's backward recomputes (pipeline.recompute="
+                             f"{self.config.pipeline.recompute!r}), work this count leaves "
+                             "out" if self.layer_layout[0] > 1
+                             and self.config.pipeline.recompute != "none" else ""),
         "mfu": mean_tps * self.flops_per_token / peak.flops,
         "peak_flops": peak.flops,
         "peak_source": peak.source,

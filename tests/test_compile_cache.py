@@ -280,7 +280,23 @@ def test_a_second_trainer_in_the_process_reuses_its_program(live_programs, tiny_
   _assert_bitwise(states[0], states[1])
 
 
-_RESTARTED = """
+def test_a_process_keeps_only_its_most_recently_used_programs(live_programs, cache_dir,
+                                                              monkeypatch):
+  monkeypatch.setattr(compile_cache, "_LIVE_MAX", 2)
+  x = _lowered(1.0)[1]
+  first = compile_cache.compile_or_load(_lowered(1.0)[0], "f", _mesh())[0]
+  compile_cache.compile_or_load(_lowered(2.0)[0], "f", _mesh())
+  again, loaded = compile_cache.compile_or_load(_lowered(1.0)[0], "f", _mesh())
+  assert loaded and again is first and live_programs == []     # kept, and now the newest
+  compile_cache.compile_or_load(_lowered(3.0)[0], "f", _mesh())   # 2.0 is let go
+  assert len(compile_cache._LIVE) == 2
+  reloaded, loaded = compile_cache.compile_or_load(_lowered(2.0)[0], "f", _mesh())
+  assert loaded and live_programs == [1]                        # from disk again
+  np.testing.assert_allclose(np.asarray(reloaded(x, x)), np.tanh(np.asarray(x) ** 2 + 1) * 2,
+                             rtol=1e-5)
+
+
+_PROCESS = """
 import logging
 import sys
 import jax
@@ -290,51 +306,49 @@ from mscale_jax.train import Trainer
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 logging.getLogger("mscale_jax").addHandler(logging.StreamHandler())
 logging.getLogger("mscale_jax").setLevel(logging.INFO)
-{config}
+config = Config(name="test").replace(
+    model=dict(num_layers=2, hidden=32, num_heads=4, mlp_dim=64, seq_len=32, attention_window=8),
+    mesh=dict(data=2, tensor=4), optimizer=dict(warmup_steps=2),
+    data=dict(kind="stdlib", prefetch=0),
+    train=dict(steps=3, global_batch=4, log_every=1, eval_every=3, eval_batches=1,
+               checkpoint_every=3))
 trainer = Trainer(config, sys.argv[2], show_progress=False)
-trainer.lower_step = None   # a lowering would fail the run
+if sys.argv[4] == "restarted":
+  trainer.lower_step = None   # a lowering would fail the run
 trainer.train(stop_at=1)
 leaves = jax.tree.leaves(jax.device_get(trainer.final_state))
 np.savez(sys.argv[3], *[np.asarray(a) for a in leaves])
 """
-# A program no other test compiles: on JAX 0.11's CPU backend, an executable compiled by a
-# process that had compiled the same program before may not load in another process.
-_CONFIG = """config = Config(name="test").replace(
-    model=dict(num_layers=3, hidden=32, num_heads=4, mlp_dim=96, seq_len=32, attention_window=8),
-    mesh=dict(data=2, tensor=4), optimizer=dict(warmup_steps=2),
-    data=dict(kind="stdlib", prefetch=0),
-    train=dict(steps=3, global_batch=4, log_every=1, eval_every=3, eval_batches=1,
-               checkpoint_every=3))"""
 
 
 @pytest.mark.slow
 def test_a_restarted_process_loads_the_train_step_before_lowering_and_steps_bitwise_alike(
-    cache_dir, tmp_path):
-  """The restart the cache is for: a new process (same config, same cache folder) loads the
-  train step this one wrote, never lowers it, and its first step's state is bitwise ours."""
+    tmp_path):
+  """The restart the cache is for, in two fresh processes (as the driver starts them): the
+  second (same config, same cache folder) loads the train step the first wrote, never lowers
+  it, and its first step's state is bitwise the first's."""
   import subprocess
   import sys
-  from mscale_jax.config import Config     # noqa: F401 (the config text below uses it)
-  from mscale_jax.train import Trainer
-  scope = {"Config": Config}
-  exec(_CONFIG, scope)
-  trainer = Trainer(scope["config"], str(tmp_path / "first"), show_progress=False)
-  trainer.train(stop_at=1)
-  script = tmp_path / "restarted.py"
-  script.write_text(_RESTARTED.format(config=_CONFIG))
+  script = tmp_path / "process.py"
+  script.write_text(_PROCESS)
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run(
-      [sys.executable, str(script), str(cache_dir), str(tmp_path / "restarted"),
-       str(tmp_path / "state.npz")], cwd=repo, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, PYTHONPATH=repo))
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "loaded before lowering the train step" in result.stderr
-  with np.load(tmp_path / "state.npz") as restarted:
-    _assert_bitwise(jax.device_get(trainer.final_state),
-                    [restarted[f"arr_{i}"] for i in range(len(restarted.files))])
+  runs = []
+  for name in ("first", "restarted"):
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "cache"), str(tmp_path / name),
+         str(tmp_path / f"{name}.npz"), name], cwd=repo, capture_output=True, text=True,
+        timeout=300, env=dict(os.environ, PYTHONPATH=repo))
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs.append(result.stderr)
+  assert "compiled the train step" in runs[0]
+  assert "loaded before lowering the train step" in runs[1]
+  with np.load(tmp_path / "first.npz") as first, np.load(tmp_path / "restarted.npz") as again:
+    _assert_bitwise([first[f"arr_{i}"] for i in range(len(first.files))],
+                    [again[f"arr_{i}"] for i in range(len(again.files))])
 
 
 def _assert_bitwise(state, other_leaves):
+  """Every leaf of `state` (a pytree) bitwise equal to the same leaf of `other_leaves`."""
   leaves = jax.tree.leaves_with_path(state)
   other_leaves = jax.tree.leaves(other_leaves)
   assert len(leaves) == len(other_leaves) > 3

@@ -145,6 +145,24 @@ def test_a_process_waits_for_the_coordinator_to_open_and_names_one_that_never_do
 
 # -- heartbeats over HTTP ----------------------------------------------------------------------
 
+def test_a_steps_age_counts_from_the_last_phase_change_when_that_came_later():
+  """The driver counts a step from (receipt - step_age_s): a save's phase whose own beat was
+  lost must not make the step after it look old (an instant hang)."""
+  server = HeartbeatServer()
+  try:
+    hooks = HeartbeatClient(rank=0, heartbeat_url=server.url, interval_s=60)
+    hooks.phase(events.TRAINING)
+    hooks.progress(3, 2.5, 0.9, 0.01)
+    time.sleep(0.3)                         # the step's save (its beat never sent)
+    hooks.phase(events.CHECKPOINTING)
+    hooks.phase(events.TRAINING)
+    hooks.post()
+    beat, _ = server.latest()[0]
+    assert beat.step == 3 and 0 <= beat.step_age_s < 0.25
+  finally:
+    server.close()
+
+
 def test_heartbeats_reach_the_server_and_carry_the_failure():
   server = HeartbeatServer()
   try:

@@ -31,6 +31,7 @@ def get_config():
   config.pipeline.schedule = "interleaved_1f1b"
   config.pipeline.virtual_stages = 6
   config.pipeline.microbatches = 192
+  config.pipeline.recompute = "full"   # memory-bound at this size, as model.remat
 
   config.optimizer.name = "lamb"
 

@@ -31,6 +31,7 @@ def get_config():
 
   config.pipeline.schedule = "1f1b"
   config.pipeline.microbatches = 240
+  config.pipeline.recompute = "full"   # memory-bound at this size, as model.remat
 
   config.optimizer.name = "lamb"
 

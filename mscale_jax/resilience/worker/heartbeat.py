@@ -93,6 +93,7 @@ class HeartbeatClient:
     self._thread = None
     self._tail = None
     self._since = None   # (step, time) at the previous progress report
+    self._phase_at = time.perf_counter()   # when the phase last changed
     self._phases = None   # the loop's PhaseMachine, once training
     self._probe = None
     self._sampler = None  # per-second monitoring samples (monitor.py), once training
@@ -146,6 +147,8 @@ class HeartbeatClient:
     with self._lock:
       changed = self.beat.phase != name
       self.beat.phase = name
+      if changed:
+        self._phase_at = time.perf_counter()
     if changed:
       self._wake.set()
 
@@ -203,7 +206,10 @@ class HeartbeatClient:
     with self._lock:
       self.beat.time = time.time()
       since = self._since
-      self.beat.step_age_s = None if since is None else time.perf_counter() - since[1]
+      # From the step's check or the last phase change, whichever came later: a phase's own
+      # beat may have been lost (best effort), and its time must not count against the step.
+      self.beat.step_age_s = (None if since is None
+                              else time.perf_counter() - max(since[1], self._phase_at))
       if self._tail is not None:
         self.beat.log_tail = list(self._tail.lines)
       if self._phases is not None:
