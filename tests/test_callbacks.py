@@ -126,3 +126,28 @@ def test_the_readme_example_runs_as_an_experiment_would(tiny_config, tmp_path, c
           callbacks=[alarm]).train()
   assert alarm.alarms == list(range(2, 9)) and alarm.mean > 0
   assert "step 8: gradient norm" in capsys.readouterr().out
+
+
+class _Timeline:
+  def __init__(self):
+    self.saved = []
+
+  def checkpoint_saved(self, save):
+    self.saved.append(save["step"])
+
+
+def test_the_timeline_records_a_save_only_if_it_was_not_refused():
+  """Checkpointing drops a refused save from `saves`: a refused first save records nothing
+  (it did raise IndexError), a later one does not record the previous save again."""
+  from types import SimpleNamespace
+
+  from mscale_jax.callbacks.observability import TimelineRecorder
+  saves = []
+  run = SimpleNamespace(trainer=SimpleNamespace(checkpointer=SimpleNamespace(saves=saves)))
+  recorder = TimelineRecorder()
+  recorder.timeline = _Timeline()
+  recorder.on_save(run, 4)   # refused
+  saves.append({"step": 8})
+  recorder.on_save(run, 8)
+  recorder.on_save(run, 12)   # refused
+  assert recorder.timeline.saved == [8]
