@@ -447,9 +447,8 @@ class Checkpointer:
   def check(self) -> None:
     """Raises CheckpointWriteError if a background write has failed since the last call
     (each failed save once, whichever of `check` and `wait` finds it first). A save's launch
-    thread still running is not waited for: it is looked at in the next call."""
-    if self._launch is not None and self._launch.is_alive():
-      return
+    thread is joined (it has normally ended by the step after the save), so that every process
+    raises its verdict or refusal at the same step, none entering the next collective alone."""
     self._join_launch()
     try:
       self._manager.check_for_errors()

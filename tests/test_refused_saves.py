@@ -200,3 +200,31 @@ def test_two_processes_both_drop_a_save_whose_commit_process_0_could_not_make(tm
   assert [s["latest_after_refusal"] for s in seen] == [4, 4], seen
   assert checkpoint_steps(directory) == [16, 8, 4], "\n".join(o[-4000:] for o in outputs)
   assert sorted(os.listdir(directory)) == ["16", "4", "8"]   # no temporary folder left
+
+
+@pytest.mark.parametrize("where", ["orbax", "verify"])
+def test_check_after_a_save_reports_its_launch_failure_at_once(tmp_path, where):
+  """The launch thread of save 4 is still running when the next step's `check` comes (orbax's
+  synchronous part, or the replica verdict, fails after a while): `check` waits for it and
+  raises its error then, on every process at the same step, not at some later step."""
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+  save, verify = checkpointer._save, None
+
+  def fail_late(*args):
+    time.sleep(0.3)
+    raise OSError(28, "No space left on device (injected)")
+  if where == "orbax":
+    checkpointer._save = lambda step, *a: fail_late() if step == 4 else save(step, *a)
+  else:
+    verify = fail_late
+  checkpointer.save(2, _state(2), {"position": 2}, Config())
+  checkpointer.wait()
+  checkpointer.save(4, _state(4), {"position": 4}, Config(), verify=verify)
+  with pytest.raises(CheckpointWriteError if where == "orbax" else OSError,
+                     match="No space left") as error:
+    checkpointer.check()
+  if where == "orbax":
+    assert error.value.step == 4
+  checkpointer.discard(4)
+  checkpointer.close()
+  assert checkpointer.all_steps() == [2]
