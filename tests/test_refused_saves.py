@@ -228,3 +228,55 @@ def test_check_after_a_save_reports_its_launch_failure_at_once(tmp_path, where):
   checkpointer.discard(4)
   checkpointer.close()
   assert checkpointer.all_steps() == [2]
+
+
+class _Hears(Callback):
+  """Listed after Checkpointing: the errors it hears, and whether its on_loop_end ran."""
+
+  def __init__(self):
+    self.errors, self.ended = [], False
+
+  def on_error(self, run, error):
+    self.errors.append(error)
+
+  def on_loop_end(self, run):
+    self.ended = True
+
+
+def test_the_last_saves_refusal_is_raised_in_the_loop(tiny_config, tmp_path):
+  """Orbax refuses the last save (step 4) in its synchronous part, on the launch thread: the
+  run fails with it inside the loop, so the callbacks hear on_error (the driver's report) and
+  every one still gets on_loop_end (it was raised by close() in the loop's cleanup)."""
+  hears = _Hears()
+  trainer = Trainer(_config(tiny_config, steps=4), str(tmp_path), show_progress=False,
+                    callbacks=[hears])
+  save = trainer.checkpointer._save
+
+  def refuse_last(step, *args):
+    if step == 4:
+      raise OSError(28, "No space left on device (injected)")
+    return save(step, *args)
+  trainer.checkpointer._save = refuse_last
+  with pytest.raises(CheckpointWriteError, match="checkpoint step 4 could not be written"):
+    trainer.train()
+  assert [type(e) for e in hears.errors] == [CheckpointWriteError]
+  assert hears.errors[0].step == 4 and hears.ended
+  assert checkpoint_steps(str(tmp_path / "checkpoints")) == [2]
+
+
+def test_closing_the_checkpointer_does_not_raise_over_a_failing_run():
+  """A save's failure found by the final close() is raised if the run was going well, and only
+  logged while another error is already unwinding (it would replace that error)."""
+  from types import SimpleNamespace
+
+  from mscale_jax.callbacks.checkpointing import Checkpointing
+
+  def close():
+    raise CheckpointWriteError("checkpoint step 8 could not be written (injected)", 8)
+  run = SimpleNamespace(trainer=SimpleNamespace(checkpointer=SimpleNamespace(close=close)),
+                        phase=lambda name, step=None: None)
+  checkpointing = Checkpointing()
+  with pytest.raises(CheckpointWriteError):
+    checkpointing.on_loop_end(run)
+  checkpointing.on_error(run, RuntimeError("the step failed"))
+  checkpointing.on_loop_end(run)   # logged, not raised
