@@ -68,6 +68,7 @@ class Checkpointing(Callback):
 
   def on_loop_end(self, run):
     failing, self.failing = self.failing, False
+    run.phase("checkpoint_stall")   # waits for the last write: the driver allows io_timeout_s
     try:
       run.trainer.checkpointer.close()
     except Exception as error:   # noqa: BLE001 (not raised over the error already unwinding)
