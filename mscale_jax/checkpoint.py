@@ -49,7 +49,7 @@ import orbax.checkpoint as ocp
 from mscale_jax.checkpoint_barriers import Barriers
 from mscale_jax.config import Config
 from mscale_jax.errors import ConfigError
-from mscale_jax.files import checkpoint_steps, set_aside_corrupt, write_manifest
+from mscale_jax.files import can_write, checkpoint_steps, set_aside_corrupt, write_manifest
 
 log = logging.getLogger("mscale_jax")
 
@@ -171,9 +171,10 @@ class Checkpointer:
     was held (`stall_s`) and the background write took (`write_s`) go to `self.saves`.
     A previous save still being written is waited for first: if it failed, its
     CheckpointWriteError (its step) is raised and this one is not started. `verify()`, if
-    given, runs before orbax starts (on the launch thread of an asynchronous save): an error
-    it raises (a replica check's verdict) stops the save, and `check` or `wait` raises it as
-    it is; it must give every process the same answer, so that none starts orbax alone.
+    given, runs before orbax starts (on the launch thread of an asynchronous save; at once if
+    the processes agree the save is refused): an error it raises (a replica check's verdict)
+    stops the save, and `check` or `wait` raises it as it is; it must give every process the
+    same answer, so that none starts orbax alone.
     """
     start = time.perf_counter()
     parts = dict.fromkeys(STALL_PARTS, 0.0)
@@ -183,6 +184,8 @@ class Checkpointer:
     try:
       self._agree(self._can_write())
     except Exception as e:
+      if verify is not None:   # the replica check's verdict first: it names this step
+        verify()
       raise self._write_error(step, e) from e
     agreed = time.perf_counter()
     parts.update(wait_previous_s=waited - start, agree_s=agreed - waited)
@@ -265,22 +268,8 @@ class Checkpointer:
       raise self._write_error(step, error) from error
 
   def _can_write(self) -> str:
-    """'' if the folder takes a new file, else why not (read-only, full, gone): found now
-    rather than in orbax's background thread later."""
-    probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
-    problem = ""
-    try:
-      with open(probe, "wb") as f:
-        f.write(b"0")
-    except OSError as e:
-      problem = f"{type(e).__name__}: {e}"
-    try:   # also when made but not written (a full disk)
-      os.remove(probe)
-    except FileNotFoundError:
-      pass
-    except OSError as e:
-      problem = problem or f"{type(e).__name__}: {e}"
-    return problem
+    """'' if the folder takes a new file, else why not (`files.can_write`)."""
+    return can_write(self.directory)
 
   def _agree(self, problem: str) -> None:
     """Raises OSError unless every process can write (`problem` is this one's, '' if none).
@@ -458,9 +447,8 @@ class Checkpointer:
   def check(self) -> None:
     """Raises CheckpointWriteError if a background write has failed since the last call
     (each failed save once, whichever of `check` and `wait` finds it first). A save's launch
-    thread still running is not waited for: it is looked at in the next call."""
-    if self._launch is not None and self._launch.is_alive():
-      return
+    thread is joined (it has normally ended by the step after the save), so that every process
+    raises its verdict or refusal at the same step, none entering the next collective alone."""
     self._join_launch()
     try:
       self._manager.check_for_errors()

@@ -1,6 +1,6 @@
 """Writing a file whole or not at all, for records other processes (or a restart) may read;
 checksum manifests of a folder (checkpoints), to notice later that a file changed; the list of
-complete checkpoints in a checkpoint folder."""
+complete checkpoints in a checkpoint folder; whether a folder takes a new file."""
 import hashlib
 import json
 import os
@@ -61,6 +61,25 @@ def verify_manifest(directory: str) -> str | None:
     if _sha256(full) != want["sha256"]:
       return f"{rel} fails its SHA-256 checksum"
   return None
+
+
+def can_write(directory: str) -> str:
+  """'' if `directory` takes a new file, else why not (read-only, full, gone): a checkpoint
+  save finds it at once rather than in orbax's background thread later."""
+  probe = os.path.join(directory, f".write-probe-{os.getpid()}")
+  problem = ""
+  try:
+    with open(probe, "wb") as f:
+      f.write(b"0")
+  except OSError as e:
+    problem = f"{type(e).__name__}: {e}"
+  try:   # also when made but not written (a full disk)
+    os.remove(probe)
+  except FileNotFoundError:
+    pass
+  except OSError as e:
+    problem = problem or f"{type(e).__name__}: {e}"
+  return problem
 
 
 def checkpoint_steps(directory: str) -> list[int]:

@@ -126,3 +126,55 @@ def test_the_readme_example_runs_as_an_experiment_would(tiny_config, tmp_path, c
           callbacks=[alarm]).train()
   assert alarm.alarms == list(range(2, 9)) and alarm.mean > 0
   assert "step 8: gradient norm" in capsys.readouterr().out
+
+
+class _Timeline:
+  def __init__(self):
+    self.saved = []
+
+  def checkpoint_saved(self, save):
+    self.saved.append(save["step"])
+
+
+def test_the_timeline_records_a_save_only_if_it_was_not_refused():
+  """Checkpointing drops a refused save from `saves`: a refused first save records nothing
+  (it did raise IndexError), a later one does not record the previous save again."""
+  from types import SimpleNamespace
+
+  from mscale_jax.callbacks.observability import TimelineRecorder
+  saves = []
+  run = SimpleNamespace(trainer=SimpleNamespace(checkpointer=SimpleNamespace(saves=saves)))
+  recorder = TimelineRecorder()
+  recorder.timeline = _Timeline()
+  recorder.on_save(run, 4)   # refused
+  saves.append({"step": 8})
+  recorder.on_save(run, 8)
+  recorder.on_save(run, 12)   # refused
+  assert recorder.timeline.saved == [8]
+
+
+def test_waiting_for_a_save_at_the_end_or_a_rollback_is_a_checkpoint_phase():
+  """The final close() and a rollback's wait() block on the background write: they run in
+  phase checkpoint_stall (the driver's CHECKPOINTING, allowed io_timeout_s), not in the
+  step's phase (TRAINING, whose hang limit is a few step times)."""
+  from types import SimpleNamespace
+
+  from mscale_jax.callbacks.base import Checked
+  from mscale_jax.callbacks.checkpointing import Checkpointing
+  from mscale_jax.callbacks.nonfinite import Rollback
+  from mscale_jax.observability.phases import COARSE
+  from mscale_jax.resilience import events
+  phases, waited_in = ["host"], []
+  checkpointer = SimpleNamespace(close=lambda: waited_in.append(phases[-1]),
+                                 wait=lambda: waited_in.append(phases[-1]),
+                                 latest_step=lambda: None)
+  data = {"step": 7}
+  trainer = SimpleNamespace(checkpointer=checkpointer, init_state=lambda: "fresh",
+                            train_iter=SimpleNamespace(get_state=lambda: data,
+                                                       set_state=data.update))
+  run = SimpleNamespace(trainer=trainer, rollbacks=0, rewind=lambda *a: None,
+                        phase=lambda name, step=None: phases.append(name))
+  Rollback().handle(run, Checked(step=5, loss=float("nan"), grad_norm=float("nan"),
+                                 finite=False, data_wait_s=0.0, data_pos=5))
+  Checkpointing().on_loop_end(run)
+  assert [COARSE[p] for p in waited_in] == [events.CHECKPOINTING] * 2

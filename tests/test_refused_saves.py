@@ -200,3 +200,83 @@ def test_two_processes_both_drop_a_save_whose_commit_process_0_could_not_make(tm
   assert [s["latest_after_refusal"] for s in seen] == [4, 4], seen
   assert checkpoint_steps(directory) == [16, 8, 4], "\n".join(o[-4000:] for o in outputs)
   assert sorted(os.listdir(directory)) == ["16", "4", "8"]   # no temporary folder left
+
+
+@pytest.mark.parametrize("where", ["orbax", "verify"])
+def test_check_after_a_save_reports_its_launch_failure_at_once(tmp_path, where):
+  """The launch thread of save 4 is still running when the next step's `check` comes (orbax's
+  synchronous part, or the replica verdict, fails after a while): `check` waits for it and
+  raises its error then, on every process at the same step, not at some later step."""
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
+  save, verify = checkpointer._save, None
+
+  def fail_late(*args):
+    time.sleep(0.3)
+    raise OSError(28, "No space left on device (injected)")
+  if where == "orbax":
+    checkpointer._save = lambda step, *a: fail_late() if step == 4 else save(step, *a)
+  else:
+    verify = fail_late
+  checkpointer.save(2, _state(2), {"position": 2}, Config())
+  checkpointer.wait()
+  checkpointer.save(4, _state(4), {"position": 4}, Config(), verify=verify)
+  with pytest.raises(CheckpointWriteError if where == "orbax" else OSError,
+                     match="No space left") as error:
+    checkpointer.check()
+  if where == "orbax":
+    assert error.value.step == 4
+  checkpointer.discard(4)
+  checkpointer.close()
+  assert checkpointer.all_steps() == [2]
+
+
+class _Hears(Callback):
+  """Listed after Checkpointing: the errors it hears, and whether its on_loop_end ran."""
+
+  def __init__(self):
+    self.errors, self.ended = [], False
+
+  def on_error(self, run, error):
+    self.errors.append(error)
+
+  def on_loop_end(self, run):
+    self.ended = True
+
+
+def test_the_last_saves_refusal_is_raised_in_the_loop(tiny_config, tmp_path):
+  """Orbax refuses the last save (step 4) in its synchronous part, on the launch thread: the
+  run fails with it inside the loop, so the callbacks hear on_error (the driver's report) and
+  every one still gets on_loop_end (it was raised by close() in the loop's cleanup)."""
+  hears = _Hears()
+  trainer = Trainer(_config(tiny_config, steps=4), str(tmp_path), show_progress=False,
+                    callbacks=[hears])
+  save = trainer.checkpointer._save
+
+  def refuse_last(step, *args):
+    if step == 4:
+      raise OSError(28, "No space left on device (injected)")
+    return save(step, *args)
+  trainer.checkpointer._save = refuse_last
+  with pytest.raises(CheckpointWriteError, match="checkpoint step 4 could not be written"):
+    trainer.train()
+  assert [type(e) for e in hears.errors] == [CheckpointWriteError]
+  assert hears.errors[0].step == 4 and hears.ended
+  assert checkpoint_steps(str(tmp_path / "checkpoints")) == [2]
+
+
+def test_closing_the_checkpointer_does_not_raise_over_a_failing_run():
+  """A save's failure found by the final close() is raised if the run was going well, and only
+  logged while another error is already unwinding (it would replace that error)."""
+  from types import SimpleNamespace
+
+  from mscale_jax.callbacks.checkpointing import Checkpointing
+
+  def close():
+    raise CheckpointWriteError("checkpoint step 8 could not be written (injected)", 8)
+  run = SimpleNamespace(trainer=SimpleNamespace(checkpointer=SimpleNamespace(close=close)),
+                        phase=lambda name, step=None: None)
+  checkpointing = Checkpointing()
+  with pytest.raises(CheckpointWriteError):
+    checkpointing.on_loop_end(run)
+  checkpointing.on_error(run, RuntimeError("the step failed"))
+  checkpointing.on_loop_end(run)   # logged, not raised

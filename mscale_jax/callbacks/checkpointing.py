@@ -32,6 +32,7 @@ class Checkpointing(Callback):
 
   def __init__(self):
     self.refused: list[int] = []   # refused saves since the newest complete checkpoint
+    self.failing = False           # the run is failing (`on_error`)
 
   def on_save(self, run, step):
     t = run.trainer
@@ -45,6 +46,8 @@ class Checkpointing(Callback):
       try:
         t.checkpointer.save(step, run.state, t.train_iter.get_state(), t.config,
                             layer_layout=t.layer_layout, verify=verify)
+        if step >= run.end:   # its launch is joined here, so its refusal is raised in the loop
+          t.checkpointer.check()
       except CheckpointWriteError as error:
         self._refused(run, error.step, error)
         if error.step == step:
@@ -60,8 +63,18 @@ class Checkpointing(Callback):
     except CheckpointWriteError as error:
       self._refused(run, error.step, error)
 
+  def on_error(self, run, error):
+    self.failing = True
+
   def on_loop_end(self, run):
-    run.trainer.checkpointer.close()
+    failing, self.failing = self.failing, False
+    run.phase("checkpoint_stall")   # waits for the last write: the driver allows io_timeout_s
+    try:
+      run.trainer.checkpointer.close()
+    except Exception as error:   # noqa: BLE001 (not raised over the error already unwinding)
+      if not failing:
+        raise
+      log.error("while the run was failing, a checkpoint save also failed: %s", error)
 
   def _refused(self, run, step: int | None, error: CheckpointWriteError) -> None:
     """Drops refused save `step` and goes on, unless it is the `max_refused_saves`-th since

@@ -39,6 +39,7 @@ class Rollback:
     log.warning("step %d: %s; its update was not applied (rollback)", checked.step,
                 _detail(checked))
     trainer = run.trainer
+    run.phase("checkpoint_stall")   # waits for a save being written: io_timeout_s applies
     trainer.checkpointer.wait()
     step = trainer.checkpointer.latest_step() or 0
     run.rollbacks += 1

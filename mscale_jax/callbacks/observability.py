@@ -25,7 +25,9 @@ class TimelineRecorder(Callback):
     run.phases.sink = self.timeline
 
   def on_save(self, run, step):
-    self.timeline.checkpoint_saved(run.trainer.checkpointer.saves[-1])
+    saves = run.trainer.checkpointer.saves   # a refused save was dropped: nothing to record
+    if saves and saves[-1]["step"] == step:
+      self.timeline.checkpoint_saved(saves[-1])
 
   def on_loop_end(self, run):
     if self.timeline is not None:
