@@ -264,6 +264,23 @@ def test_the_last_saves_refusal_is_raised_in_the_loop(tiny_config, tmp_path):
   assert checkpoint_steps(str(tmp_path / "checkpoints")) == [2]
 
 
+def test_the_last_saves_refused_background_write_is_raised_in_the_loop(tiny_config, tmp_path):
+  """The folder turns read-only just before orbax renames the last save's folder (its
+  background write, after the launch): that refusal too is raised inside the loop, heard by
+  on_error, and every callback still gets on_loop_end."""
+  hears, read_only = _Hears(), ReadOnly(refuse_commit=4)
+  trainer = Trainer(_config(tiny_config, steps=4), str(tmp_path), show_progress=False,
+                    callbacks=[read_only, hears])
+  try:
+    with pytest.raises(CheckpointWriteError, match="checkpoint step 4 could not be written"):
+      trainer.train()
+  finally:
+    injector.make_writable(str(tmp_path / "checkpoints"))
+  assert [type(e) for e in hears.errors] == [CheckpointWriteError]
+  assert hears.errors[0].step == 4 and hears.ended
+  assert checkpoint_steps(str(tmp_path / "checkpoints")) == [2]
+
+
 def test_closing_the_checkpointer_does_not_raise_over_a_failing_run():
   """A save's failure found by the final close() is raised if the run was going well, and only
   logged while another error is already unwinding (it would replace that error)."""

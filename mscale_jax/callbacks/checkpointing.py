@@ -46,8 +46,8 @@ class Checkpointing(Callback):
       try:
         t.checkpointer.save(step, run.state, t.train_iter.get_state(), t.config,
                             layer_layout=t.layer_layout, verify=verify)
-        if step >= run.end:   # its launch is joined here, so its refusal is raised in the loop
-          t.checkpointer.check()
+        if step >= run.end:   # its whole write is waited for here (the loop's end waits for
+          t.checkpointer.wait()   # it anyway), so any refusal of it is raised in the loop
       except CheckpointWriteError as error:
         self._refused(run, error.step, error)
         if error.step == step:
