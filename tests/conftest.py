@@ -132,6 +132,23 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture
+def program_counts(monkeypatch):
+  """Counts this test's compilations (`Lowered.compile`) and the compile cache's
+  deserialisations: `counts.compiles`, `counts.loads` (lists, one entry per call)."""
+  import types
+  import jax
+  from mscale_jax import compile_cache
+  counts = types.SimpleNamespace(compiles=[], loads=[])
+  compile_ = jax.stages.Lowered.compile
+  monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: (
+      counts.compiles.append(1), compile_(self, *a, **k))[1])
+  load = compile_cache.serialize_executable.deserialize_and_load
+  monkeypatch.setattr(compile_cache.serialize_executable, "deserialize_and_load",
+                      lambda *a, **k: (counts.loads.append(1), load(*a, **k))[1])
+  return counts
+
+
+@pytest.fixture
 def tiny_config():
   """A factory for small, fast run configs: `tiny_config(model={...}, mesh={...}, ...)`."""
   from mscale_jax.config import Config

@@ -29,14 +29,10 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def live_programs(cache_dir, monkeypatch):
-  """`cache_dir` with the process's own reuse on; counts deserialisations in 'loads'."""
+def live_programs(cache_dir, monkeypatch, program_counts):
+  """`cache_dir` with the process's own reuse on; returns the deserialisations (a list)."""
   monkeypatch.setattr(compile_cache, "_LIVE", {})
-  loads = []
-  load = compile_cache.serialize_executable.deserialize_and_load
-  monkeypatch.setattr(compile_cache.serialize_executable, "deserialize_and_load",
-                      lambda *a, **k: (loads.append(1), load(*a, **k))[1])
-  return loads
+  return program_counts.loads
 
 
 def _mesh(devices=None):
@@ -366,20 +362,15 @@ def test_the_pre_key_can_be_switched_off(cache_dir, monkeypatch):
   assert program.lowered == 1
 
 
-def test_a_restarted_process_loads_the_nan_faults_program_from_the_cache(cache_dir, monkeypatch):
+def test_a_restarted_process_loads_the_nan_faults_program_from_the_cache(cache_dir,
+                                                                        program_counts):
   """The `nan` fault's fill program is made at every restart before the fault fires; JAX's
   own cache serves process 0 only, so without this every other process compiled it again."""
   from mscale_jax.resilience.worker.faults import nan_program
   mesh = _mesh()
   params = {"w": _random((16, 8), seed=5), "b": _random((8,), spec=P("tensor"), seed=6)}
   shardings = jax.tree.map(lambda x: x.sharding, params)
-  compiles, loads = [], []
-  compile_ = jax.stages.Lowered.compile
-  monkeypatch.setattr(jax.stages.Lowered, "compile",
-                      lambda self, *a, **k: (compiles.append(1), compile_(self, *a, **k))[1])
-  load = compile_cache.serialize_executable.deserialize_and_load
-  monkeypatch.setattr(compile_cache.serialize_executable, "deserialize_and_load",
-                      lambda *a, **k: (loads.append(1), load(*a, **k))[1])
+  compiles, loads = program_counts.compiles, program_counts.loads
   before = jax.tree.map(np.asarray, params)
   for run, expected in enumerate([(1, 0), (1, 1)]):      # the first run, then a restart
     fill = nan_program(params, shardings, mesh)

@@ -82,20 +82,14 @@ def test_the_group_self_check_runs_every_probe_and_agrees_on_a_verdict(tmp_path,
 
 
 def test_a_restarted_groups_self_check_loads_its_collectives_from_the_compile_cache(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, program_counts):
   """JAX's cache serves process 0 only: every other process compiled the probes' all-gathers
   at every restart. Each group here plays a new process (its in-memory programs dropped)."""
   import jax
   from mscale_jax import compile_cache
   previous = jax.config.jax_compilation_cache_dir
   jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
-  compiles, loads = [], []
-  compile_ = jax.stages.Lowered.compile
-  monkeypatch.setattr(jax.stages.Lowered, "compile",
-                      lambda self, *a, **k: (compiles.append(1), compile_(self, *a, **k))[1])
-  load = compile_cache.serialize_executable.deserialize_and_load
-  monkeypatch.setattr(compile_cache.serialize_executable, "deserialize_and_load",
-                      lambda *a, **k: (loads.append(1), load(*a, **k))[1])
+  compiles, loads = program_counts.compiles, program_counts.loads
   block = np.random.default_rng(3).normal(size=(5, 7)).astype(np.float32)
   try:
     for group, corrupt in enumerate([False, True]):
