@@ -209,15 +209,15 @@ def test_once_the_step_time_is_known_a_hang_is_caught_far_inside_the_long_floor(
 
 def test_slow_saves_evaluations_and_steps_are_no_hang_but_a_hang_is_caught_near_the_steady_step(
     tmp_path):
-  """A healthy job's slow moments: every save takes 5 s ('checkpointing') and every other
-  save an evaluation as long ('evaluating'), both past the limit (4 s here, a floor with room
-  for a loaded CI box's scheduling delays); every 7th step is
+  """A healthy job's slow moments: each save (steps 20 and 40) takes 4.5 s ('checkpointing')
+  and is followed by an evaluation as long ('evaluating'), both past the limit (4 s here, a
+  floor with room for a loaded CI box's scheduling delays); every 7th step is
   10 x slower in the training phase (a loaded box: 14% of the step times, they set a 95th
   percentile); and the first steps after a restart. None is called a hang: the one failure is
   the injected one at step 33, and its limit follows the steady step, not the slow ones
   (20 x the 0.6-s steps would be 12 s)."""
-  plan = {"steps": 40, "step_s": 0.05, "checkpoint_every": 10, "save_s": 5.0,
-          "eval_every": 20, "eval_s": 5.0, "slow_every": 7, "slow_s": 0.6,
+  plan = {"steps": 40, "step_s": 0.05, "checkpoint_every": 20, "save_s": 4.5,
+          "eval_every": 20, "eval_s": 4.5, "slow_every": 7, "slow_s": 0.6,
           "misbehave": misbehave((0, 0, 33, "hang"))}
   status, report, output = drive(tmp_path, plan, hang_timeout_s=30.0, hang_floor_s=4.0,
                                  hang_step_factor=20.0, io_timeout_s=20.0, timeout_s=150)
