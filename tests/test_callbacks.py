@@ -114,6 +114,33 @@ def test_callbacks_call_only_what_each_one_overrides():
   assert callbacks.find(Logs) is a
 
 
+def test_every_callback_gets_its_cleanup_even_when_an_earlier_one_raises():
+  """on_loop_end (and on_error) reach every callback; the first error is raised after."""
+  heard = []
+
+  class Breaks(Callback):
+    def __init__(self, name):
+      self.name = name
+
+    def on_loop_end(self, run):
+      heard.append(self.name)
+      raise RuntimeError(f"{self.name} broke")
+
+  class Closes(Callback):
+    def on_loop_end(self, run):
+      heard.append("closes")
+
+    def on_log(self, run, record):
+      raise RuntimeError("on_log stops at once")
+
+  callbacks = Callbacks([Breaks("first"), Closes(), Breaks("second")])
+  with pytest.raises(RuntimeError, match="first broke"):
+    callbacks.on_loop_end(None)
+  assert heard == ["first", "closes", "second"]
+  with pytest.raises(RuntimeError, match="on_log stops"):   # other events: the first error ends it
+    callbacks.on_log(None, {})
+
+
 def test_the_readme_example_runs_as_an_experiment_would(tiny_config, tmp_path, capsys):
   readme = open(os.path.join(REPO, "README.md")).read()
   section = readme[readme.index("### Adding to the training loop"):]

@@ -67,9 +67,26 @@ class Callback:
 EVENTS = tuple(name for name in vars(Callback) if name.startswith("on_"))
 
 
+# Cleanup events: every callback gets its turn even when an earlier one raises (a callback
+# that raised in on_loop_end would otherwise leave the later ones' files and threads open).
+CLEANUP_EVENTS = ("on_error", "on_loop_end")
+
+
 def _call_each(functions, *args) -> None:
   for f in functions:
     f(*args)
+
+
+def _call_all(functions, *args) -> None:
+  """Calls every function, then raises the first error any of them raised."""
+  first = None
+  for f in functions:
+    try:
+      f(*args)
+    except BaseException as error:   # noqa: B036 (re-raised below)
+      first = first or error
+  if first is not None:
+    raise first
 
 
 class Callbacks:
@@ -82,7 +99,8 @@ class Callbacks:
     for event in EVENTS:
       functions = [getattr(cb, event) for cb in self.callbacks
                    if getattr(type(cb), event) is not getattr(Callback, event)]
-      setattr(self, event, functools.partial(_call_each, tuple(functions)))
+      call = _call_all if event in CLEANUP_EVENTS else _call_each
+      setattr(self, event, functools.partial(call, tuple(functions)))
       if functions:
         self.listening.add(event)
 
