@@ -243,6 +243,7 @@ class _Hears(Callback):
     self.ended = True
 
 
+@pytest.mark.slow   # a real training run
 def test_the_last_saves_refusal_is_raised_in_the_loop(tiny_config, tmp_path):
   """Orbax refuses the last save (step 4) in its synchronous part, on the launch thread: the
   run fails with it inside the loop, so the callbacks hear on_error (the driver's report) and
@@ -264,6 +265,7 @@ def test_the_last_saves_refusal_is_raised_in_the_loop(tiny_config, tmp_path):
   assert checkpoint_steps(str(tmp_path / "checkpoints")) == [2]
 
 
+@pytest.mark.slow   # a real training run
 def test_the_last_saves_refused_background_write_is_raised_in_the_loop(tiny_config, tmp_path):
   """The folder turns read-only just before orbax renames the last save's folder (its
   background write, after the launch): that refusal too is raised inside the loop, heard by

@@ -161,6 +161,7 @@ class Steps(Callback):
     self.dispatched.append(step)
 
 
+@pytest.mark.slow   # a real training run
 def test_a_save_before_the_last_reads_its_verdict_off_the_loop_and_is_not_written(
     tiny_config, tmp_path):
   """Step 8's check runs beside the next step and stops that save before orbax starts it;
