@@ -364,8 +364,9 @@ class Checkpointer:
     latest = next(iter(checkpoint_steps(self.directory)), None)
     return CheckpointWriteError(
         f"{what} could not be written under {self.directory} ({type(error).__name__}: "
-        f"{error}); the latest complete checkpoint is still step {latest}, "
-        f"intact: a restart resumes from it", step)
+        f"{error}); " + (f"the latest complete checkpoint is still step {latest}, intact: a "
+                         "restart resumes from it" if latest is not None else
+                         "there is no complete checkpoint yet: a restart starts afresh"), step)
 
   def _save(self, step: int, state, data_state: dict, config: Config,
             layer_layout: tuple[int, int]) -> None:
