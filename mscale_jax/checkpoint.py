@@ -182,7 +182,7 @@ class Checkpointer:
     self._remove_refused()
     waited = time.perf_counter()
     try:
-      self._agree(self._can_write())
+      self._agree(can_write(self.directory))
     except Exception as e:
       if verify is not None:   # the replica check's verdict first: it names this step
         verify()
@@ -267,10 +267,6 @@ class Checkpointer:
         raise error
       raise self._write_error(step, error) from error
 
-  def _can_write(self) -> str:
-    """'' if the folder takes a new file, else why not (`files.can_write`)."""
-    return can_write(self.directory)
-
   def _agree(self, problem: str) -> None:
     """Raises OSError unless every process can write (`problem` is this one's, '' if none).
 
@@ -342,7 +338,7 @@ class Checkpointer:
     except BaseException:
       self._barriers.give_up()
       raise
-    if self._can_write():   # the rename orbax does next would fail
+    if can_write(self.directory):   # the rename orbax does next would fail
       self._barriers.give_up()
 
   def _manifest(self, step: int) -> None:

@@ -227,7 +227,8 @@ def test_a_worker_reports_the_minority_process_as_the_rank_at_fault():
 
 
 def test_a_save_refused_at_the_agreement_still_raises_its_replica_verdict(tmp_path):
-  """The write probe refuses save 4 of a divergent state: the divergence is raised there,
+  """The write probe refuses save 4 of a divergent state (a read-only folder): the divergence is
+  raised there,
   named step 4, not left unread (it surfaced only at a later save, named with that step)."""
   import functools
 
@@ -236,11 +237,16 @@ def test_a_save_refused_at_the_agreement_still_raises_its_replica_verdict(tmp_pa
   mesh = jax.make_mesh((4, 2), ("data", "tensor"))
   state = _state(mesh, 2)
   state["params"]["e"] = _flip_bit(state["params"]["e"], 6, np.random.default_rng(4))
-  checkpointer = Checkpointer(str(tmp_path / "checkpoints"))
-  checkpointer._can_write = lambda: "OSError: refused (injected)"
-  verify = functools.partial(replicas.start_check(state), 4)
-  with pytest.raises(replicas.ReplicaDivergenceError) as error:
-    checkpointer.save(4, state, {"position": 4}, Config(), verify=verify)
+  from mscale_jax.resilience.driver import injector
+  directory = str(tmp_path / "checkpoints")
+  checkpointer = Checkpointer(directory)
+  injector.make_read_only(directory)   # the kernel refuses the write probe
+  try:
+    verify = functools.partial(replicas.start_check(state), 4)
+    with pytest.raises(replicas.ReplicaDivergenceError) as error:
+      checkpointer.save(4, state, {"position": 4}, Config(), verify=verify)
+  finally:
+    injector.make_writable(directory)
   assert error.value.step == 4 and error.value.culprit is not None
   checkpointer.close()
   assert checkpointer.all_steps() == []
