@@ -82,10 +82,10 @@ kernel() {   # kernel SECONDS NAME: one kernel benchmark as one step
       --size="${KERNEL_SIZE:-auto}"
 }
 # Measured on an H100 (JAX 0.11, 12fb2cc): layer_norm 22 s, quantize 10 s, lamb 36 s, the
-# gpt_125m sweep 85 s, gpt_1p3b 69 s, the batch-8 rows 34 s, the main job 25 s. gemm (17 s with
-# one sync per call), collective_matmul and flash attention (48 rows; minutes in the first run)
-# did not finish within 35 / 35 / 120 s there; they now print a line per row, and flash
-# attention runs last, with what is left.
+# gpt_125m sweep 85 s, gpt_1p3b 69 s, the batch-8 rows 34 s, the main job 25 s; at 46ba228:
+# gemm 32 s, flash attention 238 s (48 rows), the gpt_125m sweep 103 s, the main job 23 s;
+# collective_matmul did not finish within 35 s (its last printed row ended at 21 s). Flash
+# attention runs last, with what is left; all steps need more than one call's 530 s (ONLY=).
 kernel 40 layer_norm
 kernel 50 quantize
 kernel 45 lamb
@@ -100,7 +100,7 @@ step 60 mfu_sweep-gpt_125m-batch8 "$py" -m experiments.mfu_sweep \
     --config.train.global_batch=8 --variants=fused_ln,lamb_x3
 step 40 train-gpt_tiny "$py" -m experiments.train --record \
     --workdir=/tmp/mscale-train-gpt_tiny
-kernel 35 collective_matmul      # one GPU: every impl is a local dot (a multi-GPU figure later)
+kernel 60 collective_matmul      # one GPU: every impl is a local dot (a multi-GPU figure later)
 kernel 300 flash_attention
 echo "new records ($(( $(date +%s) - start ))s):"
 find results -maxdepth 1 -newermt "@$start" -name '*-gpu-*' | sort
