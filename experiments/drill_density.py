@@ -250,6 +250,11 @@ def write(paths: list[str], out_dir: str | None = None, name: str | None = None)
   return path, png
 
 
+def define_flags() -> None:
+  """Defines the CLI flags (only when run as a script, so importing defines none)."""
+  flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
+
+
 def main(argv):
   paths = argv[1:]
   if not paths:
@@ -265,5 +270,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
+  define_flags()
   app.run(main)
