@@ -41,6 +41,7 @@ def synthetic(rng: random.Random, steps: int, phases: list[dict], *, gain: float
   wall = (split["training_s"] + split["startup_s"] + other["checkpoint_stall_s"]
           + other["evaluation_s"] + other["steps_slower_than_steady_s"] - first_new
           + sum(sum(p.values()) for p in phases) - slowdown + unaccounted)   # slowdown: once
+  other["unaccounted_s"] = unaccounted
   rng.shuffle(phases)
   return {"faults": [{"injected": f"fault{i}", "phases": p} for i, p in enumerate(phases)],
           "where_time_went": split, "reference_where_time_went": ref,
@@ -129,6 +130,8 @@ def test_a_drill_the_model_does_not_explain_is_said_not_to_fit():
   figures = synthetic(rng, 1560, random_phases(rng, 12), gain=20.0, unaccounted=45.0)
   m = drill_density.model(figures)
   assert m["unmodelled_s"] == pytest.approx(45.0)
+  assert m["unmodelled_split_s"]["fault_run_s"] == pytest.approx(45.0)
+  assert m["unmodelled_split_s"]["reference_s"] == pytest.approx(0.0, abs=1e-9)
   for key in ("model", "as_measured"):
     assert not m[key]["fits"]
     assert m[key]["crossing_faults_per_hour"] is None
