@@ -26,8 +26,9 @@ experiments/drill_density.py; its plot beside the record, *-density.png).
 Recorded per fault: detection (injection to detection), diagnosis (self-check), restart
 (detection to the end of the first new step, without the self-check), replay (steps lost x the
 fault-free iteration time), how it was recovered (a job restart, or in the process: the NaN's
-rollback, the io_error's refused save dropped) and, for a slowdown, the measured extra step time while it lasted; per restart, its
-seconds by phase (teardown, process start, restore, compile or cache load, first step).
+rollback, the io_error's refused save dropped) and, for a slowdown, the measured extra step
+time while it lasted; per restart, its seconds by phase (teardown, process start, restore,
+compile or cache load, first step).
 For the run: its wall time split into parts each measured on its own (start-up, training steps,
 checkpoint stalls and evaluations from rank 0's timeline, the faults' parts; what no part
 covers is reported as `unaccounted_s`, not attributed), the effective training time rate of
