@@ -192,7 +192,8 @@ def plot(entries: list[tuple[str, dict]], path: str) -> None:
         ("as_measured", "--", "s", "rate_vs_fault_free")):
       v = m[key]
       ax.plot(xs, [retained(x, v["per_fault_mean_s"], v["delta"]) for x in xs], style,
-              color=color, lw=1.2, alpha=1.0 if v["fits"] else 0.35, label=None if key != "model" else _legend(name, m))
+              color=color, lw=1.2, alpha=1.0 if v["fits"] else 0.35,
+              label=_legend(name, m) if key == "model" else None)
       ax.plot([m["measured"]["faults_per_hour"]], [m["measured"][measured]], point,
               color=color, mfc=color if key == "model" else "none")
   ax.axhline(TARGET, color="gray", ls=":", lw=1)
