@@ -15,7 +15,9 @@ seconds one fault costs (its detection, self-check, restart, replay, slowdown: t
 per-fault phases, summed over all faults injected and divided by their number); delta: the
 costs that do not scale with faults (the fault run's start-up, checkpoint stalls, evaluations
 and steady steps, each less the reference's), as a fraction of the reference's wall time. (With
-W_f = W_ref (1 + delta) + n c and rho = 3600 n / W_f, retained = W_ref / W_f is the formula.)
+W_f = W_ref (1 + delta) + n c and rho = 3600 n / W_f, retained = W_ref / W_f is the formula.
+The start-up difference, a per-run cost, sits in delta at the record's length: a small error at
+other lengths.)
 What no part measures (the driver's shutdown, both runs' unaccounted seconds) is left out, so the
 model's prediction at the record's own density is a check: within TOLERANCE of the measured
 rate it fits, else the record says it does not. The density where retained(rho) crosses the
