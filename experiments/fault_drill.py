@@ -1,6 +1,6 @@
 r"""A fault drill: the main job on 2 processes with injected faults, against a fault-free run.
 
-  python -m experiments.fault_drill                      # gpt_tiny, 1560 steps, 12 faults
+  python -m experiments.fault_drill                      # gpt_tiny, 4680 steps, 12 faults
   python -m experiments.fault_drill --fault=stop:rank=1:step=40 --fault=nan:step=60 \
       --steps=300 --reference=runs/drill-reference       # reuse a fault-free run
 
@@ -18,14 +18,17 @@ committed checkpoint, a read-only checkpoint directory, SIGKILL of the driver, S
 process 0): mscale_jax/resilience/faults.py. When the driver itself is killed, the drill runs
 the same launch command again, as an operator would, and the job resumes from its workdir.
 The default faults sit at fixed fractions of the run, so a longer run spreads the same 12
-(--steps=520 is the earlier, denser drill); per-fault costs do not shrink with the run, so the
-record states the fault density (faults per hour) next to the rate.
+(--steps=1560 and 520 are the earlier, denser drills); per-fault costs do not shrink with the
+run, so the record states the fault density (faults per hour) next to the rate, and a model of
+the rate at any density from the record's measured costs (`density_model`,
+experiments/drill_density.py; its plot beside the record, *-density.png).
 
 Recorded per fault: detection (injection to detection), diagnosis (self-check), restart
 (detection to the end of the first new step, without the self-check), replay (steps lost x the
 fault-free iteration time), how it was recovered (a job restart, or in the process: the NaN's
-rollback, the io_error's refused save dropped) and, for a slowdown, the measured extra step time while it lasted; per restart, its
-seconds by phase (teardown, process start, restore, compile or cache load, first step).
+rollback, the io_error's refused save dropped) and, for a slowdown, the measured extra step
+time while it lasted; per restart, its seconds by phase (teardown, process start, restore,
+compile or cache load, first step).
 For the run: its wall time split into parts each measured on its own (start-up, training steps,
 checkpoint stalls and evaluations from rank 0's timeline, the faults' parts; what no part
 covers is reported as `unaccounted_s`, not attributed), the effective training time rate of
@@ -33,7 +36,7 @@ the fault run and of the fault-free run (MegaScale's: iterations x iteration tim
 with the reference's steady iteration time) and their ratio, and whether the loss curve
 equals the reference step for step (through the NaN's rollback, which departs from it by design).
 Accounting: experiments/drill_accounting.py. Writes a results/ record and, next to it, a PNG
-with one bar per fault split by phase.
+with one bar per fault split by phase and one of the rate against fault density.
 """
 import functools
 import json
@@ -44,7 +47,7 @@ import time
 
 from absl import app, flags
 
-from experiments import job
+from experiments import drill_density, job
 from experiments.drill_accounting import (compare, metrics, per_fault_rows, read_json,
                                           reference_gain, restart_phases, startup_s,
                                           straggler_flags, timeline_totals, where_time_went)
@@ -216,7 +219,15 @@ def define_flags() -> None:
   flags.DEFINE_multi_string("fault", [], "Faults to inject (experiments.launch --fault "
                             "syntax; default: OLD_FAULTS + OS_FAULTS spread over --steps).")
   flags.DEFINE_string("config", "experiments/configs/gpt_tiny.py", "Config file.")
-  flags.DEFINE_integer("steps", 1560, "Training steps.")
+  flags.DEFINE_integer("steps", 4680, "Training steps; the 12 default faults sit at fixed "
+                       "fractions of them, so this sets the fault density. 4680: about 14 "
+                       "faults per hour of the fault run on this 2-core host side by side "
+                       "(~0.6 s a step, ~50 min; 1560 steps gave 38.6 per hour, "
+                       "results/fault_drill-gpt_tiny-cpu-20261126T235744.json). Why: the "
+                       "longest drill this host affords; still ~40x the density of a real "
+                       "large job (Llama 3's 405B run: 466 interruptions in 54 days, 0.36 per "
+                       "hour), whose rate the density model (experiments/drill_density.py) "
+                       "gives from the record's per-fault costs.")
   flags.DEFINE_integer("checkpoint_every", 5, "Checkpoint cadence. 5: a save holds the loop "
                        "~0.03 s (results/save_stall-*), so the stalls of saving every 5 steps "
                        "cost less than the replay they save after each fault (10 before the "
@@ -228,7 +239,7 @@ def define_flags() -> None:
   flags.DEFINE_string("run", None, "A finished fault run (its workdir) to record again "
                       "instead of running one (with --reference).")
   flags.DEFINE_string("out_dir", None, "Folder for the record (default results/).")
-  flags.DEFINE_integer("timeout_s", 3600, "Give up on a launcher run (and kill all it "
+  flags.DEFINE_integer("timeout_s", 7200, "Give up on a launcher run (and kill all it "
                        "started) after this many seconds.")
 
 
@@ -358,14 +369,22 @@ def main(argv):
   }
   device = {"platform": "cpu", "processes": 2, "devices_per_process": 4,
             "spare_slots": FLAGS.spare_slots, "host_cpu_count": os.cpu_count()}
+  try:   # the rate at any fault density, from this run's measured costs
+    figures["density_model"] = drill_density.model(figures)
+  except (KeyError, TypeError, ZeroDivisionError) as e:
+    figures["density_model"] = {"error": f"not modelled: {type(e).__name__}: {e}"}
   path = results.write_record("fault_drill-" + ref_summary["config"], figures, device=device,
                               out_dir=FLAGS.out_dir,
                               extra={"reference_workdir": ref_dir, "workdir": run_dir})
   png = path[:-len(".json")] + ".png"
   plot(rows, figures, png)
-  print(json.dumps({k: v for k, v in figures.items() if k not in ("checkpoint_saves", "faults")},
+  if "model" in figures["density_model"]:
+    drill_density.plot([("this drill", figures["density_model"])], png[:-4] + "-density.png")
+    print(f"[drill] density model: {drill_density.summary_line(figures['density_model'])}")
+  print(json.dumps({k: v for k, v in figures.items() if k not in ("checkpoint_saves", "faults",
+                                                             "density_model")},
                    indent=1, default=str))
-  print(f"[drill] wrote {path} and {png}")
+  print(f"[drill] wrote {path}, {png} and its -density.png")
 
 
 def _tokens_per_step(workdir: str) -> int:

@@ -204,6 +204,29 @@ def test_memory_terms():
   assert mem.activations == pytest.approx(96 * (1 + 7 / 48) * 34 * sbh / 8)
 
 
+def test_async_checkpoint_adds_one_device_copy_of_the_train_state():
+  """checkpoint.py copies the state (params and optimizer state, as sharded) into fresh device
+  buffers before an asynchronous save's write: one more state, counted in the total, which can
+  turn a fitting layout into one that does not."""
+  for layout in (LAYOUT, dataclasses.replace(LAYOUT, dp=8, tp=4),
+                 dataclasses.replace(LAYOUT, pp=4, vpp=1)):
+    tech = Techniques(efficient_ops=True)
+    sync = memory.memory_per_device(GPT_175B, layout, tech, "none", A100.hbm_bytes, DEFAULT)
+    async_ = memory.memory_per_device(GPT_175B, layout,
+                                      dataclasses.replace(tech, async_checkpoint=True), "none",
+                                      A100.hbm_bytes, DEFAULT)
+    n = memory.params_per_device(GPT_175B, layout)
+    assert sync.checkpoint_copy == 0.0
+    assert async_.checkpoint_copy == pytest.approx(2 * n + 12 * n / layout.dp)
+    assert async_.total - sync.total == pytest.approx(async_.checkpoint_copy)
+    assert (async_.params, async_.optimizer, async_.activations) == \
+        (sync.params, sync.optimizer, sync.activations)
+  # A capacity between the two totals: fits without the copy, not with it.
+  between = (sync.total + async_.total) / 2
+  assert memory.Memory(**{**dataclasses.asdict(sync), "capacity": between}).fits
+  assert not memory.Memory(**{**dataclasses.asdict(async_), "capacity": between}).fits
+
+
 def test_breakdown_sums_and_mfu_uses_megatron_formula():
   pred = iteration.predict(GPT_175B, LAYOUT, Techniques(), A100, DEFAULT)
   assert sum(pred.breakdown.values()) == pytest.approx(pred.iteration_s)

@@ -17,11 +17,15 @@ class Memory:
   activations: float
   reserved: float
   capacity: float
+  # The asynchronous save's device copy of the train state (params and optimizer state), held
+  # while its write launches (Techniques.async_checkpoint); 0 without it.
+  checkpoint_copy: float = 0.0
 
   @property
   def total(self) -> float:
     """All bytes the device needs."""
-    return self.params + self.grads + self.optimizer + self.activations + self.reserved
+    return (self.params + self.grads + self.optimizer + self.activations + self.reserved
+            + self.checkpoint_copy)
 
   @property
   def fits(self) -> bool:
@@ -64,6 +68,9 @@ def memory_per_device(model: ModelSpec, layout: Layout, tech: Techniques, recomp
   acts = inflight_layers * activation_bytes_per_layer(model, layout, tech, recompute, c)
   if recompute == "full":
     acts += activation_bytes_per_layer(model, layout, tech, "selective", c)
-  return Memory(params=n * c.param_bytes, grads=n * c.grad_bytes,
-                optimizer=n * c.optim_state_bytes / layout.dp, activations=acts,
-                reserved=c.reserved_bytes, capacity=capacity)
+  params, optimizer = n * c.param_bytes, n * c.optim_state_bytes / layout.dp
+  # An asynchronous save copies the train state (params and optimizer state, as sharded) into
+  # fresh device buffers before its background write (mscale_jax/checkpoint.py).
+  return Memory(params=params, grads=n * c.grad_bytes, optimizer=optimizer, activations=acts,
+                reserved=c.reserved_bytes, capacity=capacity,
+                checkpoint_copy=params + optimizer if tech.async_checkpoint else 0.0)

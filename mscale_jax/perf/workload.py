@@ -83,6 +83,11 @@ class Techniques:
   # Two-level DP collectives (`compressed.DPCompression`: SDP4Bit or uncompressed); None: rings.
   dp_compression: object | None = None
   zb_h1: bool = False            # ZB-H1 pipeline schedule (vpp = 1) instead of (interleaved) 1F1B
+  # Asynchronous checkpoint saves (train.async_checkpoint): the train state is copied into fresh
+  # device buffers before the background write (mscale_jax/checkpoint.py), one more state's
+  # device memory. Off by default: the paper's tables count no such copy (MegaScale copies to
+  # host memory).
+  async_checkpoint: bool = False
 
 
 def validate(model: ModelSpec, layout: Layout, devices: int | None = None) -> None:
