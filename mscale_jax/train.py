@@ -336,9 +336,8 @@ class Trainer:
     not their sum. MSCALE_OVERLAPPED_RESTORE=0 does one after the other."""
     os.makedirs(self.workdir, exist_ok=True)
     run.callbacks.on_run_start(run)
-    run.phase("data_wait")
-    run.batch = self.device_batch(next(self.train_iter))   # the first step's batch
     run.phase("restore")
+    run.batch = self.device_batch(next(self.train_iter))   # the first step's batch
     loading = None
     if self.resume_step is not None and os.environ.get(OVERLAP_SWITCH) != "0":
       loading = compile_cache.Loading(self.lower_step, (self.abstract_state(), run.batch),
