@@ -260,11 +260,13 @@ def train_step_served(run_dir: str) -> str:
 def restart_phases(report: dict, run_dir: str) -> list[dict]:
   """Per restart, where its seconds went (rank 0): the driver's teardown (detection to the new
   group's start), process start to the worker's timeline (Python and JAX start-up or a warm
-  standby's hand-over, jax.distributed, the self-check, building the trainer), the restore, the
-  compilation or compile-cache load (with the first batch, and the step's tracing and lowering
-  unless the cache's pre-key found it before them), and the first step. `process_start_s` leaves the
-  self-check (`self_check_s`) out; a restart after one whose self-check excluded a slot has no
-  failure of its own (`self_check_s` None: its check is inside `process_start_s`).
+  standby's hand-over, jax.distributed, the self-check, building the trainer), the restore (with
+  the first batch), the compilation or compile-cache load (the step's tracing and lowering
+  unless the cache's pre-key found it before them; in a resuming process the load runs beside
+  the restore and this is only the wait for it after the restore), and the first step.
+  `process_start_s` leaves the self-check (`self_check_s`) out; a restart after one whose
+  self-check excluded a slot has no failure of its own (`self_check_s` None: its check is
+  inside `process_start_s`).
   `start_to_first_step_s`: from the group's start to the end of its first step, all of it."""
   from mscale_jax.observability import timeline
   path = os.path.join(run_dir, "timeline", "rank0.jsonl")

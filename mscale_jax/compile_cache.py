@@ -33,6 +33,8 @@ import os
 import pickle
 import re
 import tempfile
+import time
+from concurrent import futures
 from typing import Any, Callable
 
 import jax
@@ -133,6 +135,44 @@ def load_or_lower(lower: Callable[..., Any], args: tuple, name: str, mesh: jax.s
     return executable, "loaded before lowering"
   executable, loaded = compile_or_load(lower(*args), name, mesh, record_pre_key=key)
   return executable, "loaded" if loaded else "compiled"
+
+
+class Loading:
+  """`load_or_lower(lower, args, name, mesh, built_from)` running on a thread of its own, so
+  that a restarted process loads (or compiles) its program while it does other work, e.g.
+  restoring the checkpoint: `args` may be abstract (`jax.ShapeDtypeStruct`s with shardings).
+
+  `result(real_args)` waits for it and returns (executable, served) if `real_args` have the
+  abstract values (tree, shapes, dtypes, weak types, shardings) the load was started for;
+  otherwise it warns and loads or lowers for `real_args` there and then. An exception the
+  thread raised is raised by `result`, with its traceback, in the caller's thread.
+  `seconds`: how long the thread's load took (once `result` returned).
+  """
+
+  def __init__(self, lower: Callable[..., Any], args: tuple, name: str,
+               mesh: jax.sharding.Mesh, built_from: str):
+    self._call = (lower, name, mesh, built_from)
+    self._expected = abstract_inputs(args)
+    self.seconds = None
+    pool = futures.ThreadPoolExecutor(1, thread_name_prefix=f"load-{name}")
+    self._future = pool.submit(self._load, lower, args, name, mesh, built_from)
+    pool.shutdown(wait=False)   # the thread ends with the load; nothing else runs there
+
+  def _load(self, *call):
+    start = time.perf_counter()
+    try:
+      return load_or_lower(*call)
+    finally:
+      self.seconds = time.perf_counter() - start
+
+  def result(self, args: tuple) -> tuple[Any, str]:
+    executable, served = self._future.result()
+    if abstract_inputs(args) == self._expected:
+      return executable, served
+    lower, name, mesh, built_from = self._call
+    log.warning("compile cache: %s's arguments differ from those its load was started for; "
+                "loading it again", name)
+    return load_or_lower(lower, args, name, mesh, built_from)
 
 
 def pre_key(args: tuple, mesh: jax.sharding.Mesh, built_from: str) -> str:

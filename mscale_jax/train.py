@@ -39,6 +39,10 @@ from mscale_jax.sdp4bit.data_parallel import DataParallel
 
 log = logging.getLogger("mscale_jax")
 
+# MSCALE_OVERLAPPED_RESTORE=0: a resuming process loads its train step after the restore, not
+# beside it (experiments.restart_cost measures the difference).
+OVERLAP_SWITCH = "MSCALE_OVERLAPPED_RESTORE"
+
 
 @dataclasses.dataclass(frozen=True)
 class Peak:
@@ -159,6 +163,7 @@ class Trainer:
     self._eval_loss = jax.jit(step_lib.make_loss(self.graphdef, config.pipeline,
                                                  self.layer_layout))
     self._eval_executable = None
+    self._abstract_state = None
     self.program_recipe = program_recipe(config)
     self.nonfinite_policy = nonfinite.policy(t.on_nonfinite)
 
@@ -198,10 +203,17 @@ class Trainer:
     log.info("resumed from %s at step %d", self.checkpointer.directory, step)
     return state, int(step)
 
+  def abstract_state(self):
+    """The train state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s), untraced
+    after the first call."""
+    if self._abstract_state is None:
+      with jax.set_mesh(self.mesh):
+        self._abstract_state = jax.eval_shape(self._fresh_state)
+    return abstract_like(self._abstract_state, self.state_shardings)
+
   def restore(self, step: int):
     """Checkpoint `step` in this run's sharding and pipeline layer order."""
-    with jax.set_mesh(self.mesh):
-      target = abstract_like(jax.eval_shape(self._fresh_state), self.state_shardings)
+    target = self.abstract_state()
     saved_reference = self.checkpointer.dp_comm(step) == "sdp4bit"
     if saved_reference and "reference" not in target:      # written with SDP4Bit: drop it
       target["reference"] = target["params"]
@@ -316,20 +328,35 @@ class Trainer:
     return summary
 
   def _start(self, run: Run):
-    """Restores (or creates) the state, compiles the step on the first batch; returns it."""
+    """Restores (or creates) the state and gets the step's executable for the first batch
+    (compiled, or loaded from the compile cache); returns the executable.
+
+    A resuming process loads the executable on a thread of its own while it restores (the
+    program needs only the state's abstract values): a restart pays the longer of the two,
+    not their sum. MSCALE_OVERLAPPED_RESTORE=0 does one after the other."""
     os.makedirs(self.workdir, exist_ok=True)
     run.callbacks.on_run_start(run)
     run.phase("restore")
+    run.batch = self.device_batch(next(self.train_iter))   # the first step's batch
+    loading = None
+    if self.resume_step is not None and os.environ.get(OVERLAP_SWITCH) != "0":
+      loading = compile_cache.Loading(self.lower_step, (self.abstract_state(), run.batch),
+                                      "train_step", self.mesh, self.program_recipe)
     run.state, run.start = self.restore_or_init()
     run.step = run.start
     run.phase("compile")
     compile_start = time.perf_counter()
-    run.batch = self.device_batch(next(self.train_iter))   # the first step's batch
-    # Keyed before tracing: a restarted process loads its executable without lowering.
-    program, served = compile_cache.load_or_lower(
-        self.lower_step, (run.state, run.batch), "train_step", self.mesh, self.program_recipe)
-    run.compile_s = time.perf_counter() - compile_start
-    log.info("%s the train step in %.1f s", served, run.compile_s)
+    if loading is not None:
+      program, served = loading.result((run.state, run.batch))
+      run.compile_s = loading.seconds
+      log.info("%s the train step in %.1f s beside the restore (then waited %.1f s for it)",
+               served, run.compile_s, time.perf_counter() - compile_start)
+    else:   # keyed before tracing: a restarted process loads its executable without lowering
+      program, served = compile_cache.load_or_lower(
+          self.lower_step, (run.state, run.batch), "train_step", self.mesh,
+          self.program_recipe)
+      run.compile_s = time.perf_counter() - compile_start
+      log.info("%s the train step in %.1f s", served, run.compile_s)
     run.data_pos = self.train_iter.get_state()["step"]   # global batches taken so far
     run.callbacks.on_loop_start(run)
     run.restart_interval()

@@ -43,6 +43,7 @@ from mscale_jax.resilience.driver.injector import OsInjector, group_step
 from mscale_jax.resilience.driver.recovered import RecoveredLog
 from mscale_jax.resilience.driver.server import HeartbeatServer, save_token
 from mscale_jax.resilience.driver.standby import StandbyPool, kill_process_groups
+from mscale_jax.resilience.driver.wake import Wake
 from mscale_jax.resilience.faults import WORKER, Fault
 
 
@@ -124,6 +125,7 @@ class Driver:
     self.injector = OsInjector(options.faults, self.state_dir, self.say)
     self.recovered = RecoveredLog(self.state_dir, self.injector, self.say)
     self._step_times: list[float] = []
+    self.wake = Wake()   # polls come every poll_s, or at once after an exit or a report
     self.token = options.heartbeat_token or secrets.token_urlsafe(32)
     self.observer = Observer(self.workdir, self.say, policy=options.straggler_policy,
                              threshold=options.straggler_threshold,
@@ -265,7 +267,7 @@ class Driver:
         if failure is not None:
           self._record(failure, group)
           break
-        time.sleep(self.o.poll_s)
+        self.wake.wait(self.o.poll_s)
     finally:
       self.server.close()
     self._step_times += group.step_times
@@ -279,7 +281,7 @@ class Driver:
     save_token(self.token, os.path.join(self.state_dir, "heartbeat_token"))
     self.server = HeartbeatServer(self.o.coordinator_host, self.o.heartbeat_port,
                                   token=self.token, say=self.say)
-    self.server.listeners.append(self.observer.receive)
+    self.server.listeners += [self.observer.receive, self.wake.on_heartbeat]
 
   def _start(self, attempt: int, slots: list[int]) -> _Group:
     o = self.o
@@ -304,6 +306,7 @@ class Driver:
                                   env=dict(os.environ, **env), process_group=0)
       group.procs.append(proc)
       group.logs.append(path)
+      self.wake.watch(proc)
     self._claim(group.procs)
     if group.warm:
       self.say(f"attempt {attempt}: {group.warm} of {len(slots)} processes from warm standbys")
@@ -353,7 +356,7 @@ class Driver:
         self.pool.fill()   # standbys for the next restart, once this group's start is done
       if failure is not None:
         return failure
-      time.sleep(self.o.poll_s)
+      self.wake.wait(self.o.poll_s)
 
   def _poll(self, group: _Group) -> events.Failure | None:
     now = time.time()
