@@ -146,7 +146,8 @@ class Loading:
   abstract values (tree, shapes, dtypes, weak types, shardings) the load was started for;
   otherwise it warns and loads or lowers for `real_args` there and then. An exception the
   thread raised is raised by `result`, with its traceback, in the caller's thread.
-  `seconds`: how long the thread's load took (once `result` returned).
+  `seconds`: how long the load took once `result` returned (the thread's, plus the load again
+  for other arguments).
   """
 
   def __init__(self, lower: Callable[..., Any], args: tuple, name: str,
@@ -172,7 +173,11 @@ class Loading:
     lower, name, mesh, built_from = self._call
     log.warning("compile cache: %s's arguments differ from those its load was started for; "
                 "loading it again", name)
-    return load_or_lower(lower, args, name, mesh, built_from)
+    start = time.perf_counter()
+    try:
+      return load_or_lower(lower, args, name, mesh, built_from)
+    finally:
+      self.seconds += time.perf_counter() - start
 
 
 def pre_key(args: tuple, mesh: jax.sharding.Mesh, built_from: str) -> str:

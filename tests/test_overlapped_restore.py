@@ -2,6 +2,7 @@
 (`Trainer._start`, `compile_cache.Loading`): the same state bitwise, errors still surface."""
 import shutil
 import threading
+import types
 
 import jax
 import numpy as np
@@ -109,3 +110,23 @@ def test_a_load_started_for_other_arguments_is_not_used(tiny_config, tmp_path, c
     program, _ = loading.result((other, batch))
   assert "differ from those its load was started for" in caplog.text
   assert jax.tree.leaves(program.input_shardings[0][0])[0] == replicated
+
+
+def test_a_load_done_again_for_other_arguments_counts_in_its_seconds(monkeypatch):
+  """`seconds` (the trainer's `compile_s`) holds every load `result` waited for: after a
+  mismatch, the thread's load and the one done again (a clock each load moves by 3 s)."""
+  clock = [100.0]
+  monkeypatch.setattr(compile_cache, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+  def load(lower, args, name, mesh, built_from):
+    clock[0] += 3.0
+    return f"program for {args[0].shape}", "compiled"
+  monkeypatch.setattr(compile_cache, "load_or_lower", load)
+  started_for = (jax.ShapeDtypeStruct((4, 8), np.float32),)
+  same = compile_cache.Loading(None, started_for, "train_step", None, "recipe")
+  assert same.result(started_for) == ("program for (4, 8)", "compiled")
+  assert same.seconds == 3.0
+  other = compile_cache.Loading(None, started_for, "train_step", None, "recipe")
+  assert other.result((jax.ShapeDtypeStruct((4, 16), np.float32),)) == \
+      ("program for (4, 16)", "compiled")
+  assert other.seconds == 6.0
