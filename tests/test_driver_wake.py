@@ -5,9 +5,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from mscale_jax.resilience import events
 from mscale_jax.resilience.driver.server import HeartbeatServer
 from mscale_jax.resilience.driver.wake import Wake
+from test_driver_policy import drive, misbehave
 
 # Far longer than the test may take: a wait that returns True was woken, not timed out.
 NEVER_S = 120.0
@@ -58,3 +61,15 @@ def test_a_wake_up_that_comes_while_the_group_is_looked_at_is_not_lost():
                                      failure={"kind": events.EXCEPTION, "detail": "boom"}), 0.0)
   assert wake.wait(NEVER_S)
   assert not wake.wait(0.0)
+
+
+@pytest.mark.slow
+def test_the_driver_restarts_and_finishes_on_wake_ups_alone(tmp_path):
+  """The supervisor waits on its Wake: with a poll interval longer than the run's whole time
+  limit, a worker's exit (then, after the restart, the workers' exits 0) is still seen, so a
+  driver that slept out poll_s (or did not watch its processes) would time out here."""
+  plan = {"misbehave": misbehave((0, 1, 3, "exit"))}
+  status, report, output = drive(tmp_path, plan, timeout_s=60, poll_s=600.0, max_restarts=2)
+  assert status == 0, output[-3000:]
+  assert report["completed"]
+  assert [(f["kind"], f["rank"]) for f in report["failures"]] == [("exited", 1)]
