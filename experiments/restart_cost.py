@@ -4,8 +4,8 @@ without it (`--compare`):
   pre_key             the compile cache's pre-key (mscale_jax/compile_cache.py: the train step
                       found before tracing it); off: MSCALE_COMPILE_CACHE_PREKEY=0
   overlapped_restore  the train step loaded on a thread of its own while the checkpoint is
-                      restored (mscale_jax/train.py `Trainer._start`); off:
-                      MSCALE_OVERLAPPED_RESTORE=0, the load after the restore. With it,
+                      restored (mscale_jax/train.py `Trainer._start`, MSCALE_OVERLAPPED_RESTORE=1;
+                      off by default), against the load after the restore. With it,
                       `compile_or_cache_load_s` is only the wait for the load after the restore
 
   python -m experiments.restart_cost [--compare=pre_key] [--trials=3] [--steps=24]
@@ -49,7 +49,7 @@ flags.DEFINE_string("out_dir", None, "Record folder (default: results/).")
 # Per comparison, its arms' environments: with the saving first, then without.
 COMPARISONS = {
     "pre_key": {"pre_key": {}, "no_pre_key": {PRE_KEY_SWITCH: "0"}},
-    "overlapped_restore": {"overlapped": {}, "sequential": {OVERLAP_SWITCH: "0"}},
+    "overlapped_restore": {"overlapped": {OVERLAP_SWITCH: "1"}, "sequential": {OVERLAP_SWITCH: "0"}},
 }
 PARTS = ("start_to_first_step_s", "after_start_up_s", "process_start_s", "self_check_s",
          "restore_s", "compile_or_cache_load_s", "first_step_s", "first_check_s")

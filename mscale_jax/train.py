@@ -39,8 +39,10 @@ from mscale_jax.sdp4bit.data_parallel import DataParallel
 
 log = logging.getLogger("mscale_jax")
 
-# MSCALE_OVERLAPPED_RESTORE=0: a resuming process loads its train step after the restore, not
-# beside it (experiments.restart_cost measures the difference).
+# MSCALE_OVERLAPPED_RESTORE=1: a resuming process loads its train step beside the restore, not
+# after it. Off by default: on the 2-core CPU host it showed no gain (restore and load both take
+# the host's CPU; results/restart_cost-overlapped_restore-*); experiments.restart_cost
+# --compare=overlapped_restore measures it on a host with cores to spare.
 OVERLAP_SWITCH = "MSCALE_OVERLAPPED_RESTORE"
 
 
@@ -331,15 +333,15 @@ class Trainer:
     """Restores (or creates) the state and gets the step's executable for the first batch
     (compiled, or loaded from the compile cache); returns the executable.
 
-    A resuming process loads the executable on a thread of its own while it restores (the
-    program needs only the state's abstract values): a restart pays the longer of the two,
-    not their sum. MSCALE_OVERLAPPED_RESTORE=0 does one after the other."""
+    With MSCALE_OVERLAPPED_RESTORE=1 a resuming process loads the executable on a thread of its
+    own while it restores (the program needs only the state's abstract values): a restart pays
+    the longer of the two, not their sum, where they do not compete for the same cores."""
     os.makedirs(self.workdir, exist_ok=True)
     run.callbacks.on_run_start(run)
     run.phase("restore")
     run.batch = self.device_batch(next(self.train_iter))   # the first step's batch
     loading = None
-    if self.resume_step is not None and os.environ.get(OVERLAP_SWITCH) != "0":
+    if self.resume_step is not None and os.environ.get(OVERLAP_SWITCH) == "1":
       loading = compile_cache.Loading(self.lower_step, (self.abstract_state(), run.batch),
                                       "train_step", self.mesh, self.program_recipe)
     run.state, run.start = self.restore_or_init()

@@ -77,9 +77,10 @@ class _Errors(Callback):
 
 
 def test_an_error_in_the_background_load_reaches_the_loop_and_its_callbacks(
-    tiny_config, tmp_path, no_cache):
+    tiny_config, tmp_path, monkeypatch, no_cache):
   """The load's thread fails (as a compilation that runs out of memory would): `train` raises
   that error, with its traceback, and the callbacks that tell the driver hear it."""
+  monkeypatch.setenv(OVERLAP_SWITCH, "1")
   config, workdir = _resumable(tiny_config, tmp_path)
   errors = _Errors()
   trainer = Trainer(config, workdir, show_progress=False, callbacks=[errors])
