@@ -246,6 +246,22 @@ def test_stop_and_kill_coordinator_act_on_the_worker_processes(tmp_path, workers
   assert len(said) == 2
 
 
+def test_a_fault_for_a_rank_the_shrunk_group_lacks_is_recorded_not_fired(tmp_path, workers):
+  """After a slot is excluded with no spare left, the group has fewer ranks than a fault names:
+  the driver records the fault as skipped (seen in a drill: an IndexError ended the driver)."""
+  said = []
+  inject = injector.OsInjector(parse_faults(["stop:rank=1:step=3", "corrupt_checkpoint:rank=1:"
+                                             "step=3"]), str(tmp_path / "resilience"), said.append)
+  inject.poll(workers.procs[:1], 3)
+  time.sleep(0.2)
+  assert "T" not in [_state_of(p.pid) for p in workers.procs]
+  assert all(p.poll() is None for p in workers.procs)
+  markers = sorted((tmp_path / "resilience" / "faults").iterdir())
+  assert [json.loads(m.read_text())["skipped"] for m in markers] == \
+      ["rank 1 is not in the 1-process group"] * 2
+  assert len(said) == 2 and all("skipped" in line for line in said)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="contend needs 2 cores")
 def test_contend_pins_the_workers_and_runs_a_busy_process_on_one_core(tmp_path, workers):
   before = os.sched_getaffinity(workers.procs[0].pid)

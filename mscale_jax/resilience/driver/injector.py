@@ -70,6 +70,12 @@ class OsInjector:
         undo()
     for fault in self.faults:
       if step >= fault.step and not os.path.exists(marker_path(self.state_dir, fault)):
+        if fault.rank is not None and fault.rank >= len(procs):
+          # The group shrank below the rank (a slot excluded, no spare left): recorded, not
+          # fired, and never an error in the driver.
+          self._mark(fault, step, skipped=f"rank {fault.rank} is not in the "
+                                          f"{len(procs)}-process group")
+          continue
         getattr(self, f"_{fault.kind}")(fault, procs, step)
 
   def failure_detected(self) -> None:
