@@ -393,3 +393,40 @@ def test_faults_fire_once_on_their_rank_and_slow_ranks_sleep(tmp_path):
     pass
   rank1.slow_down(4)                         # sleeps (factor - 1) x the step's own time
   assert time.perf_counter() - step_start >= 0.05 + 2 * 0.05
+
+
+@pytest.mark.parametrize("second_rate, excluded", [(78.0, False), (21.0, True)])
+def test_a_slot_found_slow_is_probed_again_before_it_fails(tmp_path, monkeypatch, second_rate,
+                                                           excluded):
+  """A busy host can starve one process through its whole first matmul probe: the slot is
+  probed again, longer, and fails only if the better of its two rates is still slow (a drill
+  at load 20 excluded a healthy slot). Here a second slot (7) plays a healthy peer."""
+  rates = iter([20.0, second_rate])
+  calls = []
+
+  def probe(size=384, repeats=10):
+    calls.append(repeats)
+    return next(rates)
+
+  def share_with_peer(mine):
+    peer = {"slot": 7, "rate": 80.0} if "rate" in mine else {
+        "slot": 7, "rank": 1, "matmul_gflops": 80.0, "write": {"ok": True},
+        "allgather": {"wrong_ranks": [], "gbytes_per_s": 1.0}}
+    return [mine, peer]
+  monkeypatch.setattr(selfcheck, "probe_matmul", probe)
+  monkeypatch.setattr(selfcheck, "share", share_with_peer)
+  verdict, results = selfcheck.run_in_group(str(tmp_path / "out"), str(tmp_path / "ckpt"),
+                                            slot=3)
+  assert calls == [10, selfcheck.CONFIRM_REPEATS]
+  assert results[3]["matmul_gflops_first"] == 20.0
+  assert results[3]["matmul_gflops"] == max(20.0, second_rate)
+  assert (verdict[3] is not None and "matmul rate" in verdict[3]) == excluded
+  assert verdict[7] is None
+
+
+def test_a_group_with_no_slow_slot_probes_once(tmp_path, monkeypatch):
+  calls = []
+  monkeypatch.setattr(selfcheck, "probe_matmul",
+                      lambda size=384, repeats=10: calls.append(repeats) or 75.0)
+  verdict, _ = selfcheck.run_in_group(str(tmp_path / "out"), str(tmp_path / "ckpt"), slot=3)
+  assert calls == [10] and verdict == {3: None}
