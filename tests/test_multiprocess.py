@@ -20,9 +20,17 @@ TRAIN_ARGS = job.TINY_GPT + ["--config.train.steps=12", "--config.train.log_ever
                              "--config.optimizer.warmup_steps=1"]
 
 
-def launch(workdir, *flags, timeout_s=300):
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+  """One compilation cache for this module's launcher runs (each run's default is its own, in
+  its workdir): they train the same model on the same meshes, so only the first compiles."""
+  return str(tmp_path_factory.mktemp("compile_cache"))
+
+
+def launch(workdir, compile_cache, *flags, timeout_s=300):
   """Runs the launcher to the end: it must exit by itself and leave no process behind."""
-  result = job.run(workdir, ["--heartbeat_s=0.5", f"--xla_flags={job.TEST_XLA}", *flags],
+  result = job.run(workdir, ["--heartbeat_s=0.5", f"--xla_flags={job.TEST_XLA}",
+                             f"--compile_cache_dir={compile_cache}", *flags],
                    TRAIN_ARGS, timeout_s=timeout_s)
   assert not result.timed_out, result.tail()
   assert not result.leftovers, f"processes left behind: {result.leftovers}\n{result.tail()}"
@@ -38,17 +46,17 @@ def losses(workdir) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, compile_cache):
   """The fault-free run: 2 processes x 4 devices, mesh data=2 x tensor=4."""
   workdir = tmp_path_factory.mktemp("reference")
-  result = launch(workdir, "--nostandby")
+  result = launch(workdir, compile_cache, "--nostandby")
   report = result.report
   assert result.status == 0 and report["completed"] and report["failures"] == [], result.tail()
   return losses(workdir)
 
 
 @pytest.fixture(scope="module")
-def faulty(tmp_path_factory):
+def faulty(tmp_path_factory, compile_cache):
   """One run through every kind of recovery, attempt by attempt:
 
     0  slots [0, 1]  rank 1 is killed (kill -9) before step 6: restart from step 4
@@ -61,7 +69,8 @@ def faulty(tmp_path_factory):
     4  slot [0]      completes
   """
   workdir = tmp_path_factory.mktemp("faulty")
-  result = launch(workdir, "--fault=kill:rank=1:step=6", "--fault=bad_slot:slot=1:step=5",
+  result = launch(workdir, compile_cache, "--fault=kill:rank=1:step=6",
+                  "--fault=bad_slot:slot=1:step=5",
                   "--fault=kill:rank=0:step=8:at=save", "--fault=hang:rank=0:step=10",
                   "--hang_timeout_s=4", "--hang_step_factor=1", timeout_s=420)
   assert result.status == 0 and result.report["completed"], result.tail()
@@ -139,13 +148,14 @@ def test_the_recovered_curve_equals_the_fault_free_one(reference, faulty):
 
 
 def test_silent_corruption_is_caught_at_save_and_the_curve_stays_fault_free(reference,
+                                                                             compile_cache,
                                                                              tmp_path):
   """bad_slot from step 6: what slot 1's process holds after each step is corrupt, so the two
   data replicas of the parameters diverge. Step 8's save refuses them (replica_divergence), the
   job restarts from step 4, the restart's self-check excludes slot 1 and the spare takes its
   place: the curve is the fault-free one, bit for bit (same mesh, same batches)."""
-  result = launch(tmp_path, "--fault=bad_slot:slot=1:step=6", "--spare_slots=1",
-                  timeout_s=420)
+  result = launch(tmp_path, compile_cache, "--fault=bad_slot:slot=1:step=6",
+                  "--spare_slots=1", timeout_s=420)
   report = result.report
   assert result.status == 0 and report["completed"], result.tail()
   [failure] = report["failures"]

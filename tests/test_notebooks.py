@@ -5,6 +5,8 @@ import nbclient
 import nbformat
 import pytest
 
+from experiments.job import TEST_XLA
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
@@ -17,10 +19,12 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch):
   # The kernel is a fresh process: it finds the repository through PYTHONPATH and starts
-  # with no XLA flags of ours (each notebook sets up its own CPU devices).
+  # with no device count of ours (each notebook sets up its own CPU devices), only the
+  # compile-time flags every test compiles with (conftest.py: results equal up to float
+  # rounding; the notebooks assert nothing on digits) and this process's compilation cache.
   monkeypatch.setenv("PYTHONPATH", str(REPO))
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setenv("XLA_FLAGS", TEST_XLA)
   notebook = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
                                     resources={"metadata": {"path": str(path.parent)}})

@@ -19,12 +19,19 @@ FLAGS = ["--heartbeat_s=0.5", f"--xla_flags={job.TEST_XLA}", "--hang_timeout_s=4
          "--hang_step_factor=1", "--nostandby", "--noself_check"]
 
 
+@pytest.fixture(scope="module")
+def compile_cache_flag(tmp_path_factory):
+  """One compilation cache for this module's launcher runs (each run's default is its own, in
+  its workdir): they train the same model on the same mesh, so only the first compiles."""
+  return f"--compile_cache_dir={tmp_path_factory.mktemp('compile_cache')}"
+
+
 def logged_steps(workdir) -> list[int]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line)["step"] for line in f]
 
 
-def test_stop_io_error_and_a_corrupt_checkpoint_are_recovered(tmp_path):
+def test_stop_io_error_and_a_corrupt_checkpoint_are_recovered(compile_cache_flag, tmp_path):
   """  0  rank 1 is stopped (SIGSTOP) at step 3: a hang, blamed on rank 1
        1  the checkpoint folder turns read-only once both ranks reached step 5: the save whose
           write is then in flight, or the next, is refused (step 4's background write, 8's or
@@ -35,7 +42,7 @@ def test_stop_io_error_and_a_corrupt_checkpoint_are_recovered(tmp_path):
        3  the restart finds the checksum wrong, sets it aside, restores the one before (not the
           refused one); completes
   """
-  result = job.run(str(tmp_path), [*FLAGS, "--fault=stop:rank=1:step=3",
+  result = job.run(str(tmp_path), [*FLAGS, compile_cache_flag, "--fault=stop:rank=1:step=3",
                                    "--fault=io_error:step=5",
                                    "--fault=corrupt_checkpoint:rank=0:step=14"],
                    TRAIN_ARGS, timeout_s=480)
@@ -78,8 +85,8 @@ def test_stop_io_error_and_a_corrupt_checkpoint_are_recovered(tmp_path):
   assert logged_steps(tmp_path) == list(range(1, 17))
 
 
-def test_a_killed_driver_is_resumed_by_the_same_command(tmp_path):
-  flags = [*FLAGS, "--fault=kill_driver:step=5"]
+def test_a_killed_driver_is_resumed_by_the_same_command(compile_cache_flag, tmp_path):
+  flags = [*FLAGS, compile_cache_flag, "--fault=kill_driver:step=5"]
   first = job.run(str(tmp_path), flags, TRAIN_ARGS, timeout_s=300, keep_orphans=True)
   try:
     assert first.status == -9, first.tail()

@@ -62,7 +62,8 @@ def free_port_is(port: int) -> bool:
 
 
 def sbatch(slurm, workdir, *launch_flags, timeout_s=420, heartbeat_port=None):
-  """Emits the batch script, runs it with `sbatch --wait`; returns (exit status, its log)."""
+  """Emits the batch script, submits it with `sbatch` and waits for the job to end (`wait_for`);
+  returns (exit status, its log)."""
   emitted = subprocess.run(
       [sys.executable, "-m", "experiments.launch", "--emit=slurm", f"--workdir={workdir}",
        "--num_processes=2", "--devices_per_process=4", "--tasks_per_node=2",
@@ -73,28 +74,48 @@ def sbatch(slurm, workdir, *launch_flags, timeout_s=420, heartbeat_port=None):
       capture_output=True, text=True, timeout=120)
   assert emitted.returncode == 0, emitted.stderr[-2000:]
   script = emitted.stdout.split()[-1]
-  proc = subprocess.Popen(["sbatch", "--parsable", "--wait", script], env=slurm,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  try:
-    out, _ = proc.communicate(timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    out = proc.communicate()[0]
-  job_id = out.split()[0].split(";")[0]
-  if proc.returncode is None or proc.returncode < 0:
+  submitted = subprocess.run(["sbatch", "--parsable", script], env=slurm, capture_output=True,
+                             text=True, timeout=60)
+  assert submitted.returncode == 0, submitted.stderr[-2000:]
+  job_id = submitted.stdout.split()[0].split(";")[0]
+  status = wait_for(slurm, job_id, timeout_s)
+  if status is None:
     subprocess.run(["scancel", "--full", job_id], env=slurm, timeout=60)
   with open(os.path.join(workdir, f"slurm-{job_id}.log")) as f:
     log = f.read()
-  assert proc.returncode is not None and proc.returncode >= 0, f"timed out\n{log[-3000:]}"
+  assert status is not None, f"timed out\n{log[-3000:]}"
   assert not _steps_left(slurm, job_id), f"steps left behind: {_steps_left(slurm, job_id)}"
   assert not _workers_of(workdir), "worker processes left behind"
-  return proc.returncode, log
+  return status, log
+
+
+# Job states in which slurmctld has retired a job (its steps and batch script ended).
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+            "DEADLINE", "OUT_OF_MEMORY"}
+
+
+def wait_for(slurm, job_id: str, timeout_s: float) -> int | None:
+  """The job's exit status once slurmctld lists it as finished, as `sbatch --wait` reports it
+  (the batch script's exit status; 1 if a signal ended it); None past `timeout_s`. Polls
+  `scontrol show job` twice a second: `sbatch --wait` polls after 2, 10, 42, 74, ... s (its
+  interval grows fourfold up to 32 s while under half of MinJobAge), so a job that ends after
+  15 s is seen ended at 42."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=slurm,
+                           capture_output=True, text=True, timeout=60).stdout
+    fields = dict(field.split("=", 1) for field in shown.split() if "=" in field)
+    if fields.get("JobState") in FINISHED:
+      code, signal = map(int, fields["ExitCode"].split(":"))
+      return 1 if signal else code
+    time.sleep(0.5)
+  return None
 
 
 def _steps_left(slurm, job_id: str, wait_s: float = 15) -> str:
-  """The job's steps squeue still lists, after giving slurmctld `wait_s` to retire them: `sbatch
-  --wait` can return while the batch step of a job that just ended is still listed (seen once,
-  for a job that ended within a second)."""
+  """The job's steps squeue still lists, after giving slurmctld `wait_s` to retire them: a job
+  can be listed as ended while its batch step still is (seen once with `sbatch --wait`, for a
+  job that ended within a second)."""
   deadline = time.monotonic() + wait_s
   while True:
     left = subprocess.run(["squeue", "-h", "-s", "-j", job_id], env=slurm, capture_output=True,
