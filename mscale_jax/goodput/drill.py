@@ -145,8 +145,8 @@ def _placement(fault: dict) -> tuple:
   return None, False, "no injection step, step or restore point recorded"
 
 
-def _fault(fault: dict, iteration_s: float):
-  """A ScheduledFault from one record fault, or (None, why)."""
+def _fault(fault: dict, iteration_s: float, every: int):
+  """A ScheduledFault from one record fault (`every`: the checkpoint cadence), or (None, why)."""
   at, during_save, how = _placement(fault)
   if at is None:
     return None, how
@@ -178,9 +178,16 @@ def _fault(fault: dict, iteration_s: float):
   # drills, and not in the side-by-side drill of 2026-11-26 11:22, whose slower steps gave the
   # write time to finish).
   written = _number(fault.get("steps_lost")) == 0
+  # Restored from the checkpoint before the newest one that preceded it, though that one was
+  # neither corrupted nor refused: its background write had not committed when the fault
+  # struck (a kill 2 steps after a save, on a loaded host, in the drill of 2026-11-27 03:57).
+  restore, corrupt = _number(fault.get("restore_step")), spec_kind(fault) == "corrupt_checkpoint"
+  unwritten = (restore is not None and not during_save and not corrupt
+               and fault.get("kind") != "replica_divergence"
+               and restore == (int(at) // every - 1) * every)
   return ScheduledFault(at, name, detection, diagnosis or 0.0, max(0.0, restart), during_save,
-                        saves_written=written,
-                        newest_corrupt=spec_kind(fault) == "corrupt_checkpoint"), how
+                        saves_written=written, newest_corrupt=corrupt,
+                        newest_unwritten=unwritten), how
 
 
 def spec_kind(fault: dict) -> str:
@@ -266,7 +273,7 @@ def read_case(path: str, records: dict | None = None) -> DrillCase:
     notes.append("start-up time not recorded: left in the fault-free residual")
   faults, lost, unplaced, specs = [], [], [], []
   for f in _dicts(figures.get("faults")):
-    fault, how = _fault(f, iteration_s)
+    fault, how = _fault(f, iteration_s, every)
     label = str(f.get("injected") or f.get("kind"))
     if fault is None:
       unplaced.append((label, how))

@@ -54,6 +54,9 @@ class ScheduledFault:
     once they were, e.g. a fault from outside that fires on a late heartbeat).
   newest_corrupt: the newest durable checkpoint is unusable (corrupted), so the restart restores
     the one before it.
+  newest_unwritten: the newest save before it had not committed when it struck (its background
+    write still running: a race the sim cannot call, read from a drill's record), so the
+    restart restores the one before it.
   """
   at_iteration: float
   name: str
@@ -63,6 +66,7 @@ class ScheduledFault:
   during_save: bool = False
   saves_written: bool = False
   newest_corrupt: bool = False
+  newest_unwritten: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +365,10 @@ class _Run:
     self._settle(math.inf if fault and fault.saves_written else self.t)
     if fault and fault.newest_corrupt:
       self.durable = max(0.0, self.durable - self.job.checkpoint_every)
+    if fault and fault.newest_unwritten:   # at most the save before the newest one it followed
+      every = self.job.checkpoint_every
+      self.durable = min(self.durable, max(0.0, (math.floor(fault.at_iteration / every) - 1)
+                                           * every))
     while True:
       use_memory = self.memory is not None and self.memory >= self.durable
       restart = cause.restart_s
