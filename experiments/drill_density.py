@@ -247,7 +247,8 @@ def load(paths: list[str]) -> tuple[list[tuple[str, dict, dict]], dict]:
 
 def write(paths: list[str], out_dir: str | None = None, name: str | None = None) -> tuple:
   """Models each record of `paths`, writes a drill_density record and its PNG; returns both
-  paths. `name`: the record's name (default drill_density-<config of the first record>)."""
+  paths and the record's figures. `name`: the record's name (default drill_density-<config of
+  the first record>)."""
   from experiments import results
   loaded, skipped = load(paths)
   if not loaded:
@@ -262,7 +263,7 @@ def write(paths: list[str], out_dir: str | None = None, name: str | None = None)
                               device=device)
   png = path[:-len(".json")] + ".png"
   plot([(label(r), m) for _, r, m in loaded], png)
-  return path, png
+  return path, png, figures
 
 
 def define_flags() -> None:
@@ -274,12 +275,10 @@ def main(argv):
   paths = argv[1:]
   if not paths:
     raise app.UsageError("name one or more fault_drill records")
-  path, png = write(paths, flags.FLAGS.out_dir)
-  with open(path) as f:
-    record = json.load(f)
-  for name, m in record["figures"]["records"].items():
+  path, png, figures = write(paths, flags.FLAGS.out_dir)
+  for name, m in figures["records"].items():
     print(f"[density] {name}: {summary_line(m)}")
-  for name, why in record["figures"]["skipped"].items():
+  for name, why in figures["skipped"].items():
     print(f"[density] skipped {name}: {why}")
   print(f"[density] wrote {path} and {png}")
 

@@ -152,7 +152,7 @@ def judge(results: dict[int, dict | None]) -> dict[int, str | None]:
   wrong), or its checkpoint-directory write failed.
   """
   done = {s: r for s, r in results.items() if r is not None}
-  median = _median_rate(done)
+  median, slow = _median_rate(done), slow_slots(results)
   slot_of_rank = {r["rank"]: s for s, r in done.items()}
   seen_wrong = {s: set(r["allgather"]["wrong_ranks"]) for s, r in done.items()}
   senders = {slot_of_rank.get(w) for w in set.intersection(*seen_wrong.values())} \
@@ -167,7 +167,7 @@ def judge(results: dict[int, dict | None]) -> dict[int, str | None]:
       verdict[slot] = "its all-gather contribution arrived corrupt"
     elif slot in receivers:
       verdict[slot] = "the all-gather results it received were corrupt"
-    elif r["matmul_gflops"] < MIN_RATE_FRACTION * median:
+    elif slot in slow:
       verdict[slot] = (f"matmul rate {r['matmul_gflops']:.1f} GFLOP/s is below "
                        f"{MIN_RATE_FRACTION:.0%} of the median {median:.1f}")
     elif not r["write"]["ok"]:
